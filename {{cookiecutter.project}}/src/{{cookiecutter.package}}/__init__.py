@@ -1,0 +1,1 @@
+"""{{ cookiecutter.project }}: DDP training with Hydra configs, ready for Kubernetes."""

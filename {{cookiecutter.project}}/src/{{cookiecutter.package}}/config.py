@@ -1,0 +1,130 @@
+"""Typed schema of every config group.
+
+Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
+fails at compose time, naming the key. Checks that types cannot express live in __post_init__,
+which runs when train.py turns the config into objects: still before any process group starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import nccl
+
+
+class ConfigError(ValueError):
+    """A config value that is well typed but not allowed. The message names the key."""
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value}: {allowed}")
+
+
+class Backend(Enum):
+    auto = "auto"  # nccl when CUDA is available, else gloo
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class NcclDebug(Enum):
+    VERSION = "VERSION"
+    WARN = "WARN"
+    INFO = "INFO"
+    TRACE = "TRACE"
+
+
+@dataclass
+class ModelConfig:
+    hidden_dim: int = 128
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
+        require(self.depth >= 1, "model.depth", self.depth, "must be at least 1")
+
+
+@dataclass
+class DataConfig:
+    num_samples: int = 16384
+    num_features: int = 32
+    num_classes: int = 8
+    batch_size: int = 128
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
+        require(self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1")
+        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
+        require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
+        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    log_every: int = 25
+    seed: int = 0
+    bf16: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
+        require(self.lr > 0, "trainer.lr", self.lr, "must be greater than 0")
+        require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be 0 or more")
+        require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
+
+
+@dataclass
+class NcclConfig:
+    """One field per NCCL variable (see nccl.FIELD_VARS); None leaves the variable alone."""
+
+    auto: bool = False  # fill in transport variables from the node's facts
+    p2p_disable: Optional[bool] = None
+    ib_disable: Optional[bool] = None
+    shm_disable: Optional[bool] = None
+    socket_ifname: Optional[str] = None
+    debug: Optional[NcclDebug] = None
+    debug_subsys: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)  # any other NCCL_* variable
+
+    def __post_init__(self) -> None:
+        errors = nccl.config_errors(self)
+        if errors:
+            raise ConfigError(errors[0])
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    nccl: NcclConfig = field(default_factory=NcclConfig)
+
+
+def rank_zero_only(value: Any) -> Any:
+    """Resolver: the value on global rank 0, None on the others (set by torchrun)."""
+    return value if os.environ.get("RANK", "0") == "0" else None
+
+
+def register_configs() -> None:
+    """Make the schema and resolvers known to Hydra; call before Hydra composes."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)

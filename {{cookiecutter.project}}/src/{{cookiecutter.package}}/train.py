@@ -1,0 +1,179 @@
+"""Train with DistributedDataParallel. Hydra composes the config from configs/train.yaml.
+
+    python -m {{ cookiecutter.package }}.train                                     # one process
+    torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train   # 2 GPUs, else 2 CPU processes
+    torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl=pcie_safe trainer.max_steps=1000
+    torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl.debug=INFO nccl.p2p_disable=false
+    python -m {{ cookiecutter.package }}.train --cfg job                          # print the composed config
+
+Rank and world size come only from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE).
+"""
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.config import Backend, ConfigError, TrainConfig, register_configs
+from {{ cookiecutter.package }}.data import synthetic_dataset
+from {{ cookiecutter.package }}.model import build_model
+from {{ cookiecutter.package }}.probe import probe_node
+
+log = logging.getLogger(__name__)
+
+
+def apply_nccl_env(cfg: TrainConfig, profile: str, rank: int) -> None:
+    """NCCL reads its variables once, when the first communicator is made: write them first."""
+    decision = nccl.decide(cfg.nccl, probe_node() if cfg.nccl.auto else None, os.environ)
+    os.environ.update(decision.env)
+    if rank == 0:
+        log.info("NCCL environment (nccl=%s):\n%s", profile, decision.report())
+        for warning in decision.warnings:
+            log.warning(warning)
+
+
+def select_device(cfg: TrainConfig, local_rank: int, local_world_size: int) -> torch.device:
+    use_cuda = cfg.dist.backend is Backend.nccl or (
+        cfg.dist.backend is Backend.auto and torch.cuda.is_available()
+    )
+    if not use_cuda:
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise ConfigError("dist.backend=nccl: no CUDA device is visible; use dist.backend=auto or gloo")
+    if local_world_size > visible:
+        raise ConfigError(
+            f"--nproc-per-node {local_world_size}: only {visible} GPU(s) visible on this node; "
+            f"use at most {visible} processes per node"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def log_metrics(run_dir: Path, row: dict) -> None:
+    log.info(
+        "step %d/%d  loss %.4f  acc %.3f  %.0f samples/s",
+        row["step"], row["max_steps"], row["loss"], row["accuracy"], row["samples_per_s"],
+    )  # fmt: skip
+    with (run_dir / "metrics.jsonl").open("a") as out:
+        out.write(json.dumps(row) + "\n")
+
+
+def train(cfg: TrainConfig, device: torch.device, run_dir: Path, rank: int, world_size: int) -> None:
+    torch.manual_seed(cfg.trainer.seed)
+    dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.data.batch_size,
+        sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
+        drop_last=True,
+    )
+    model = DDP(build_model(cfg.model, cfg.data).to(device))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+    )
+    use_bf16 = device.type == "cuda" and cfg.trainer.bf16
+
+    step, epoch = 0, 0
+    window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
+    started = time.perf_counter()
+    while step < cfg.trainer.max_steps:
+        sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
+        for inputs, labels in loader:
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                logits = model(inputs)
+                loss = F.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+            step += 1
+
+            window[0] += loss.detach().float() * len(labels)
+            window[1] += (logits.argmax(dim=1) == labels).sum()
+            window[2] += len(labels)
+            if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
+                dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
+                now = time.perf_counter()
+                loss_sum, correct, samples = window.tolist()
+                if rank == 0:
+                    row = {
+                        "step": step,
+                        "max_steps": cfg.trainer.max_steps,
+                        "epoch": epoch,
+                        "loss": loss_sum / samples,
+                        "accuracy": correct / samples,
+                        "samples_per_s": samples / (now - started),
+                        "world_size": world_size,
+                    }
+                    log_metrics(run_dir, row)
+                window.zero_()
+                started = now
+            if step == cfg.trainer.max_steps:
+                break
+        epoch += 1
+
+
+def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    apply_nccl_env(cfg, nccl_profile, rank)
+    device = select_device(cfg, local_rank, local_world_size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
+    standalone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=cfg.dist.timeout_s),
+        device_id=device if device.type == "cuda" else None,  # make the NCCL communicator now
+        **standalone,
+    )
+    try:
+        if rank == 0:
+            log.info("world size %d, backend %s, run dir %s", world_size, backend, run_dir)
+        train(cfg, device, run_dir, rank, world_size)
+        gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+register_configs()  # the schema and resolvers must exist before Hydra composes
+
+
+@hydra.main(version_base="1.3", config_path="pkg://{{ cookiecutter.package }}.configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    try:
+        config: TrainConfig = OmegaConf.to_object(cfg)
+        main_worker(config, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"])
+    except ConfigError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
