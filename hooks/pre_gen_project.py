@@ -14,7 +14,7 @@ ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 PACKAGE = re.compile(r"[a-z_][a-z0-9_]*")
-PYTHON_VERSION = re.compile(r"3\.(1[0-3])")
+PYTHON_VERSION = re.compile(r"3\.(1[1-3])")
 # An OCI image reference: [registry[:port]/]path[:tag][@sha256:digest], without spaces or quotes.
 IMAGE = re.compile(
     r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?"
@@ -63,7 +63,7 @@ def check_num_gpus(key: str, value: object) -> str | None:
 
 def check_python_version(key: str, value: str) -> str | None:
     if not PYTHON_VERSION.fullmatch(value):
-        return f"{key} {value!r} is not supported: use one of 3.10, 3.11, 3.12, 3.13"
+        return f"{key} {value!r} is not supported: use one of 3.11, 3.12, 3.13"
     return None
 
 

@@ -9,10 +9,12 @@
 Rank and world size come only from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE).
 """
 
+import contextlib
 import gc
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from datetime import timedelta
@@ -160,18 +162,29 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
         dist.destroy_process_group()
 
 
+def discard_unused_run_dir(run_dir: Path) -> None:
+    """After a config error, remove the run dir if it holds only what Hydra wrote at start."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()  # e.g. outputs/, if this run created it
+
+
 register_configs()  # the schema and resolvers must exist before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="pkg://{{ cookiecutter.package }}.configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         config: TrainConfig = OmegaConf.to_object(cfg)
-        main_worker(config, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"])
+        main_worker(config, run_dir, hydra_cfg.runtime.choices["nccl"])
     except ConfigError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {err}", file=sys.stderr)
+            logging.shutdown()  # close train.log before its dir goes
+            discard_unused_run_dir(run_dir)
         sys.exit(2)
 
 

@@ -1,0 +1,73 @@
+"""The real configs/ compose, and bad values fail before any process starts, naming the key."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.config import ConfigError, TrainConfig
+
+PROFILE_ENV = {
+    "auto": {},
+    "nccl_default": {},
+    "pcie_safe": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+}
+
+
+def test_default_config_composes_into_typed_objects(compose_train):
+    config = OmegaConf.to_object(compose_train())
+    assert isinstance(config, TrainConfig)
+    assert config.trainer.max_steps > 0
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILE_ENV))
+def test_each_profile_sets_exactly_its_variables(compose_train, profile):
+    config = OmegaConf.to_object(compose_train(f"nccl={profile}"))
+    assert config.nccl.auto is (profile == "auto")
+    assert nccl.decide(config.nccl, None, inherited={}).env == PROFILE_ENV[profile]
+
+
+def test_overrides_reach_the_config(compose_train):
+    cfg = compose_train("nccl=pcie_safe", "nccl.p2p_disable=false", "nccl.debug=INFO",
+                        "+nccl.env.NCCL_ALGO=Ring", "trainer.max_steps=7")  # fmt: skip
+    config = OmegaConf.to_object(cfg)
+    assert config.trainer.max_steps == 7
+    assert nccl.decide(config.nccl, None, inherited={}).env == {
+        "NCCL_P2P_DISABLE": "0",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_ALGO": "Ring",
+    }
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("nccl.p2p_disable=maybe", "nccl.p2p_disable"),
+        ("nccl.p2p_disabel=true", "p2p_disabel"),
+        ("nccl.debug=LOUD", "nccl.debug"),
+        ("trainer.max_steps=many", "trainer.max_steps"),
+        ("dist.backend=mpi", "dist.backend"),
+        ("nccl=fastest", "nccl"),
+    ],
+)
+def test_bad_override_fails_at_compose_naming_the_key(compose_train, override, key):
+    with pytest.raises(ConfigCompositionException) as failure:
+        compose_train(override)
+    text = str(failure.value) + str(failure.value.__cause__)
+    assert key in text
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.max_steps=-1", "trainer.max_steps=-1: must be at least 1"),
+        ("dist.timeout_s=0", "dist.timeout_s=0: must be at least 1 second"),
+        ("data.batch_size=0", "data.batch_size=0: must be at least 1"),
+        ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_*"),
+    ],
+)
+def test_out_of_range_value_fails_before_training_naming_the_key(compose_train, override, message):
+    with pytest.raises(ConfigError, match=message):
+        OmegaConf.to_object(compose_train(override))

@@ -1,0 +1,42 @@
+"""The files around the code agree with it: the Job's env block, the packaged config groups."""
+
+import tomllib
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import nccl
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "{{ cookiecutter.package }}"
+
+
+def job_container() -> dict:
+    job = yaml.safe_load((ROOT / "k8s" / "job.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_job_env_block_matches_the_default_nccl_profile(compose_train):
+    config = OmegaConf.to_object(compose_train())
+    profile_env = nccl.decide(config.nccl, None, inherited={}).env
+    job_env = {e["name"]: e["value"] for e in job_container()["env"] if e["name"].startswith("NCCL_")}
+    assert job_env == profile_env
+
+
+def test_job_runs_one_torchrun_over_all_the_pods_gpus():
+    container = job_container()
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    args = container["args"]
+    assert container["command"] == ["torchrun"]
+    assert args[args.index("--nproc-per-node") + 1] == str(gpus)
+    assert args[-2:] == ["-m", f"{PACKAGE}.train"]
+
+
+def test_every_config_group_ships_in_the_wheel():
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = [p for p in (ROOT / "configs").rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    expected = {f"{PACKAGE}.configs." + ".".join(p.relative_to(ROOT / "configs").parts) for p in folders}
+    missing = expected - set(packages)
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"

@@ -1,0 +1,111 @@
+"""End to end on CPU: torchrun with 2 processes over gloo, as users and the Job launch it."""
+
+import json
+import textwrap
+
+import pytest
+from conftest import read_metrics, torchrun
+
+# Installed as sitecustomize in the workers: records each rank's NCCL_* variables at the moment
+# init_process_group is called, then lets the call proceed.
+RECORD_ENV_AT_INIT = textwrap.dedent(
+    """
+    import json, os
+    import torch.distributed as dist
+
+    _init = dist.init_process_group
+
+    def _recording_init(*args, **kwargs):
+        seen = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        path = os.path.join(os.environ["INIT_ENV_RECORD_DIR"], f"rank{os.environ.get('RANK', 0)}.json")
+        with open(path, "w") as out:
+            json.dump(seen, out)
+        return _init(*args, **kwargs)
+
+    dist.init_process_group = _recording_init
+    """
+)
+
+
+@pytest.fixture
+def record_nccl_env(tmp_path, monkeypatch):
+    """Directory where each rank's NCCL env at init_process_group lands as rank<N>.json."""
+    hook, records = tmp_path / "hook", tmp_path / "records"
+    hook.mkdir()
+    records.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORD_ENV_AT_INIT)
+    monkeypatch.setenv("PYTHONPATH", f"{hook}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("INIT_ENV_RECORD_DIR", str(records))
+    return records
+
+
+def recorded(records, world_size=2) -> list[dict]:
+    return [json.loads((records / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def test_two_processes_learn_in_one_run_dir(tmp_path):
+    cwd = tmp_path / "launch"
+    cwd.mkdir()
+    done = torchrun(cwd, "trainer.max_steps=150", "trainer.log_every=25")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    (run_dir,) = (cwd / "outputs").iterdir()  # both ranks chose the same dir
+    assert sorted(p.name for p in cwd.iterdir()) == ["outputs"]  # nothing outside it
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [25, 50, 75, 100, 125, 150]
+    assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] + 0.05
+    assert all(row["world_size"] == 2 and row["samples_per_s"] > 0 for row in rows)
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    log = (run_dir / "train.log").read_text()
+    assert "world size 2, backend gloo" in log and "step 150/150" in log
+
+
+def test_explicit_run_dir_holds_everything(tmp_path):
+    run_dir = tmp_path / "runs" / "first"
+    done = torchrun(tmp_path, "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert read_metrics(run_dir)[-1]["step"] == 10
+
+
+def test_nccl_env_is_in_place_on_every_rank_at_init(tmp_path, record_nccl_env):
+    done = torchrun(tmp_path, "nccl=pcie_safe", "trainer.max_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for env in recorded(record_nccl_env):
+        assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
+def test_override_flips_a_field_on_every_rank(tmp_path, record_nccl_env):
+    done = torchrun(tmp_path, "nccl=pcie_safe", "nccl.p2p_disable=false", "nccl.debug=WARN",
+                    "trainer.max_steps=2")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for env in recorded(record_nccl_env):
+        assert env == {"NCCL_P2P_DISABLE": "0", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
+
+
+def test_config_field_beats_conflicting_inherited_env_and_says_so(tmp_path, record_nccl_env):
+    inherited = {"NCCL_P2P_DISABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}
+    done = torchrun(tmp_path, "nccl=pcie_safe", "trainer.max_steps=2", env=inherited)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for env in recorded(record_nccl_env):
+        assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
+    output = done.stdout + done.stderr
+    assert "nccl.p2p_disable=1 overrides NCCL_P2P_DISABLE=0 from the environment" in output
+
+
+def test_bad_override_fails_before_any_process_group(tmp_path, record_nccl_env):
+    done = torchrun(tmp_path, "nccl.p2p_disable=maybe", timeout=120)
+    assert done.returncode != 0
+    assert "nccl.p2p_disable" in done.stderr
+    assert list(record_nccl_env.iterdir()) == []  # init_process_group was never reached
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "records"]  # no outputs/
+
+
+def test_out_of_range_value_stops_in_one_line_and_leaves_nothing(tmp_path, record_nccl_env):
+    done = torchrun(tmp_path, "trainer.max_steps=-1", timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("config error:")]
+    assert errors == ["config error: trainer.max_steps=-1: must be at least 1"]
+    assert list(record_nccl_env.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "records"]  # no outputs/
