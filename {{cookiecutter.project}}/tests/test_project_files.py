@@ -21,7 +21,9 @@ def job_container() -> dict:
 def test_job_env_block_matches_the_default_nccl_profile(compose_train):
     config = OmegaConf.to_object(compose_train())
     profile_env = nccl.decide(config.nccl, None, inherited={}).env
-    job_env = {e["name"]: e["value"] for e in job_container()["env"] if e["name"].startswith("NCCL_")}
+    job_env = {
+        e["name"]: e["value"] for e in job_container()["env"] if e["name"].startswith("NCCL_")
+    }
     assert job_env == profile_env
 
 
@@ -35,8 +37,12 @@ def test_job_runs_one_torchrun_over_all_the_pods_gpus():
 
 
 def test_every_config_group_ships_in_the_wheel():
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]
     folders = [p for p in (ROOT / "configs").rglob("*") if p.is_dir() and p.name != "__pycache__"]
-    expected = {f"{PACKAGE}.configs." + ".".join(p.relative_to(ROOT / "configs").parts) for p in folders}
+    expected = {
+        f"{PACKAGE}.configs." + ".".join(p.relative_to(ROOT / "configs").parts) for p in folders
+    }
     missing = expected - set(packages)
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"

@@ -60,7 +60,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
-        require(self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1")
+        require(
+            self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1"
+        )
         require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
@@ -78,7 +80,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
         require(self.lr > 0, "trainer.lr", self.lr, "must be greater than 0")
-        require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be 0 or more")
+        require(
+            self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be 0 or more"
+        )
         require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
 
 

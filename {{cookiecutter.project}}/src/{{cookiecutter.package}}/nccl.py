@@ -122,19 +122,31 @@ def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
     if facts.gpu_count > 1 and facts.local_world_size > 1:
         if facts.nvlink_pairs:
             pairs = ", ".join(f"GPU{i}-GPU{j}" for i, j in sorted(facts.nvlink_pairs))
-            choices.append(AutoChoice("NCCL_P2P_DISABLE", None, f"auto: NVLink between {pairs}, P2P kept"))
+            choices.append(
+                AutoChoice("NCCL_P2P_DISABLE", None, f"auto: NVLink between {pairs}, P2P kept")
+            )
         if facts.pcie_pairs:
             pairs = ", ".join(f"GPU{i}-GPU{j}" for i, j in facts.pcie_pairs)
             choices.append(
-                AutoChoice("NCCL_P2P_DISABLE", None, f"auto: PCIe between {pairs}, no evidence P2P is broken")
+                AutoChoice(
+                    "NCCL_P2P_DISABLE",
+                    None,
+                    f"auto: PCIe between {pairs}, no evidence P2P is broken",
+                )
             )
     if not facts.multi_node:
         choices.append(AutoChoice("NCCL_IB_DISABLE", "1", "auto: single node, InfiniBand unused"))
     elif facts.ib_active_ports == 0:
-        choices.append(AutoChoice("NCCL_IB_DISABLE", "1", "auto: several nodes, no active InfiniBand port"))
+        choices.append(
+            AutoChoice("NCCL_IB_DISABLE", "1", "auto: several nodes, no active InfiniBand port")
+        )
     else:
         choices.append(
-            AutoChoice("NCCL_IB_DISABLE", None, f"auto: several nodes, {facts.ib_active_ports} active IB ports")
+            AutoChoice(
+                "NCCL_IB_DISABLE",
+                None,
+                f"auto: several nodes, {facts.ib_active_ports} active IB ports",
+            )
         )
     return choices
 
@@ -145,7 +157,11 @@ def merge_auto(choices: list[AutoChoice]) -> dict[str, Setting]:
     for choice in choices:
         earlier = merged.get(choice.var)
         value = choice.value if choice.value is not None else (earlier.value if earlier else None)
-        source = f"{earlier.source}; {choice.reason.removeprefix('auto: ')}" if earlier else choice.reason
+        source = (
+            f"{earlier.source}; {choice.reason.removeprefix('auto: ')}"
+            if earlier
+            else choice.reason
+        )
         merged[choice.var] = Setting(value, source)
     return merged
 
@@ -159,7 +175,11 @@ def decide(nccl_cfg: Any, facts: NodeFacts | None, inherited: Mapping[str, str])
     for var, value in inherited.items():
         if NCCL_VAR.fullmatch(var):
             earlier = settings.get(var)
-            overruled = f" (over {earlier.source} -> {earlier.value})" if earlier and earlier.value != value else ""
+            overruled = (
+                f" (over {earlier.source} -> {earlier.value})"
+                if earlier and earlier.value != value
+                else ""
+            )
             settings[var] = Setting(value, f"environment{overruled}")
     for var, (value, source) in config_env(nccl_cfg).items():
         if var in inherited and inherited[var] != value:

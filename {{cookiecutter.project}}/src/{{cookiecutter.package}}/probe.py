@@ -53,7 +53,9 @@ def probe_node() -> NodeFacts:
     return NodeFacts(
         gpu_count=gpu_count,
         # nvidia-smi numbers GPUs physically; fine while every GPU of the node is visible.
-        nvlink_pairs=nvlink_pairs_from_topo(nvidia_smi_topology()) if gpu_count > 1 else frozenset(),
+        nvlink_pairs=nvlink_pairs_from_topo(nvidia_smi_topology())
+        if gpu_count > 1
+        else frozenset(),
         ib_active_ports=active_ib_ports(),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

@@ -56,7 +56,9 @@ def select_device(cfg: TrainConfig, local_rank: int, local_world_size: int) -> t
         return torch.device("cpu")
     visible = torch.cuda.device_count()
     if visible == 0:
-        raise ConfigError("dist.backend=nccl: no CUDA device is visible; use dist.backend=auto or gloo")
+        raise ConfigError(
+            "dist.backend=nccl: no CUDA device is visible; use dist.backend=auto or gloo"
+        )
     if local_world_size > visible:
         raise ConfigError(
             f"--nproc-per-node {local_world_size}: only {visible} GPU(s) visible on this node; "
@@ -76,7 +78,9 @@ def log_metrics(run_dir: Path, row: dict) -> None:
         out.write(json.dumps(row) + "\n")
 
 
-def train(cfg: TrainConfig, device: torch.device, run_dir: Path, rank: int, world_size: int) -> None:
+def train(
+    cfg: TrainConfig, device: torch.device, run_dir: Path, rank: int, world_size: int
+) -> None:
     torch.manual_seed(cfg.trainer.seed)
     dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
@@ -145,7 +149,9 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     device = select_device(cfg, local_rank, local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
-    standalone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    standalone = (
+        {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    )
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=cfg.dist.timeout_s),
