@@ -1,7 +1,7 @@
 """Refuse any answer that would render a broken or unsafe project.
 
-Runs under cookiecutter's own Python (standard library only). One line per problem, then a
-non-zero exit, so cookiecutter deletes the directory it was about to fill.
+Runs under cookiecutter's own Python (standard library only). One line for the first problem,
+then a non-zero exit, so cookiecutter deletes the directory it was about to fill.
 """
 
 import json
@@ -87,34 +87,35 @@ def check_free_text(key: str, value: str) -> str | None:
     return None
 
 
-CHECKS = {
+CHECKS = {  # in prompt order
     "project": check_dns_label,
     "package": check_package,
-    "num_gpus": check_num_gpus,
+    "description": check_free_text,
+    "author": check_free_text,
     "python_version": check_python_version,
+    "num_gpus": check_num_gpus,
     "base_image": check_image,
     "image": check_image,
     "namespace": check_dns_label,
-    "description": check_free_text,
-    "author": check_free_text,
 }
 
 
-def problems(answers: dict) -> list[str]:
-    found = []
+def first_problem(answers: dict) -> str | None:
+    """The first bad answer, in prompt order: later ones often derive from it (package, image)."""
     for key, check in CHECKS.items():
         value = answers[key]
         message = check(key, value) if isinstance(value, str | int) else f"{key} must be text"
         if message:
-            found.append(message)
-    return found
+            return message
+    return None
 
 
 def main() -> int:
-    found = problems(ANSWERS)
-    for message in found:
-        print(f"error: {message}", file=sys.stderr)
-    return 1 if found else 0
+    message = first_problem(ANSWERS)
+    if message:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.config import Backend, ConfigError, TrainConfig, register_configs
+from {{ cookiecutter.package }}.config import (
+    Backend,
+    ConfigError,
+    TrainConfig,
+    register_configs,
+)
 from {{ cookiecutter.package }}.data import synthetic_dataset
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.probe import probe_node
@@ -179,7 +184,11 @@ def discard_unused_run_dir(run_dir: Path) -> None:
 register_configs()  # the schema and resolvers must exist before Hydra composes
 
 
-@hydra.main(version_base="1.3", config_path="pkg://{{ cookiecutter.package }}.configs", config_name="train")
+@hydra.main(
+    version_base="1.3",
+    config_path="pkg://{{ cookiecutter.package }}.configs",
+    config_name="train",
+)
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

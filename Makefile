@@ -1,0 +1,27 @@
+# Template tooling. Both targets build their own virtual environment in .venv.
+#   make demo   render a demo project and train it on 2 processes (GPUs if present, else CPU)
+#   make test   run every test of the template (CI runs this through .ci/run)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO := build/demo
+
+.PHONY: demo test clean
+
+$(BIN)/.installed: requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-test.txt
+	touch $@
+
+demo: $(BIN)/.installed
+	rm -rf $(DEMO)
+	$(BIN)/cookiecutter . --no-input --output-dir $(DEMO)
+	$(BIN)/python -m pip install --quiet --no-build-isolation $(DEMO)/ddp-project
+	cd $(DEMO) && ../../$(BIN)/torchrun --standalone --nproc-per-node 2 -m ddp_project.train
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build

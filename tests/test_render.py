@@ -1,0 +1,183 @@
+"""Render a matrix of answers and check every file the way its own tools would."""
+
+import importlib.util
+import py_compile
+import re
+import subprocess
+import sys
+import tomllib
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from conftest import BIN, PROFILES, cookiecutter_cli, render
+
+# (nccl_profile, num_gpus, project); the long name checks that formatting does not depend on it.
+MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}") for profile in PROFILES] + [
+    ("auto", 1, "one-gpu"),
+    ("pcie_safe", 8, "eight-gpus"),
+    ("socket", 16, "a-thirty-one-character-project"),
+]
+
+EXPECTED_FILES = {
+    ".dockerignore",
+    ".gitignore",
+    "Dockerfile",
+    "README.md",
+    "pyproject.toml",
+    "k8s/job.yaml",
+    "configs/__init__.py",
+    "configs/train.yaml",
+    "configs/data/synthetic.yaml",
+    "configs/dist/default.yaml",
+    "configs/hydra/job_logging/rank_zero.yaml",
+    "configs/model/mlp.yaml",
+    "configs/nccl/auto.yaml",
+    "configs/nccl/nccl_default.yaml",
+    "configs/nccl/pcie_safe.yaml",
+    "configs/nccl/socket.yaml",
+    "configs/trainer/default.yaml",
+    "src/{package}/__init__.py",
+    "src/{package}/config.py",
+    "src/{package}/data.py",
+    "src/{package}/logs.py",
+    "src/{package}/model.py",
+    "src/{package}/nccl.py",
+    "src/{package}/probe.py",
+    "src/{package}/train.py",
+    "tests/conftest.py",
+    "tests/test_config.py",
+    "tests/test_gpu.py",
+    "tests/test_nccl.py",
+    "tests/test_project_files.py",
+    "tests/test_train.py",
+}
+# What each profile must put in the Job's env block.
+PROFILE_ENV = {
+    "auto": {},
+    "nccl_default": {},
+    "pcie_safe": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+}
+
+
+@pytest.fixture(scope="module", params=MATRIX, ids=[f"{p}-{n}gpu" for p, n, _ in MATRIX])
+def rendered(request, tmp_path_factory):
+    profile, gpus, project = request.param
+    path = render(tmp_path_factory.mktemp("render"), project=project, nccl_profile=profile, num_gpus=str(gpus))
+    return SimpleNamespace(path=path, profile=profile, gpus=gpus, package=project.replace("-", "_"))
+
+
+def files_of(path):
+    return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+
+
+def job_of(rendered) -> dict:
+    return yaml.safe_load((rendered.path / "k8s" / "job.yaml").read_text())
+
+
+def load_module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_exact_file_set(rendered):
+    assert files_of(rendered.path) == {f.format(package=rendered.package) for f in EXPECTED_FILES}
+
+
+def test_no_template_text_left(rendered):
+    for name in files_of(rendered.path):
+        text = (rendered.path / name).read_text()
+        assert "cookiecutter." not in text, name
+        assert not re.search(r"\{\{|\{%", text), name
+
+
+def test_python_compiles_and_ruff_is_clean(rendered):
+    for path in rendered.path.rglob("*.py"):
+        py_compile.compile(str(path), doraise=True)
+    for command in (["check"], ["format", "--check"]):
+        done = subprocess.run([BIN / "ruff", *command, "."], cwd=rendered.path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_yaml_and_toml_parse(rendered):
+    for path in rendered.path.rglob("*.yaml"):
+        assert yaml.safe_load(path.read_text()) is not None, path
+    project = tomllib.loads((rendered.path / "pyproject.toml").read_text())["project"]
+    assert project["name"] == rendered.path.name
+    assert "torch>=2.4" in project["dependencies"]
+
+
+def test_job_passes_strict_kubernetes_validation(rendered):
+    done = subprocess.run(
+        [BIN / "kubernetes-validate", "--strict", "--kubernetes-version", "1.33.0", "k8s/job.yaml"],
+        cwd=rendered.path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "passed" in done.stdout
+
+
+def test_job_env_block_carries_the_profile(rendered):
+    (container,) = job_of(rendered)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NCCL_")}
+    assert env == PROFILE_ENV[rendered.profile]
+
+
+def test_profile_files_and_job_env_agree_through_the_projects_own_rules(rendered):
+    """configs/nccl/<profile>.yaml, read through the generated nccl.py, gives the Job's env."""
+    nccl = load_module(rendered.path / "src" / rendered.package / "nccl.py", f"{rendered.package}_nccl")
+    for profile, expected in PROFILE_ENV.items():
+        fields = yaml.safe_load((rendered.path / "configs" / "nccl" / f"{profile}.yaml").read_text())
+        cfg = SimpleNamespace(**{field: None for field in nccl.FIELD_VARS}, env={}, auto=False)
+        vars(cfg).update(fields)
+        assert {var: value for var, (value, _) in nccl.config_env(cfg).items()} == expected, profile
+
+
+def test_train_yaml_defaults_to_the_chosen_profile(rendered):
+    defaults = yaml.safe_load((rendered.path / "configs" / "train.yaml").read_text())["defaults"]
+    assert {"nccl": rendered.profile} in defaults
+
+
+def test_job_shape(rendered):
+    job = job_of(rendered)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
+    assert job["metadata"]["name"] == rendered.path.name
+    assert job["spec"]["backoffLimit"] >= 1
+    assert pod["restartPolicy"] == "Never"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == rendered.gpus
+    assert container["command"] == ["torchrun"]
+    args = container["args"]
+    assert args[args.index("--nproc-per-node") + 1] == str(rendered.gpus)
+    assert args[-2:] == ["-m", f"{rendered.package}.train"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert not {"hostNetwork", "hostIPC", "hostPID"} & pod.keys()
+
+
+def test_dockerfile_passes_hadolint_and_runs_torchrun_as_non_root(rendered):
+    done = subprocess.run([BIN / "hadolint", "Dockerfile"], cwd=rendered.path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    dockerfile = (rendered.path / "Dockerfile").read_text()
+    assert re.search(r"^FROM pytorch/pytorch:\S+-runtime$", dockerfile, re.M)
+    assert re.search(r"^USER 10001:10001$", dockerfile, re.M)
+    assert 'ENTRYPOINT ["torchrun"]' in dockerfile
+    assert f'"--nproc-per-node", "{rendered.gpus}"' in dockerfile
+    assert "pip install --no-cache-dir --no-deps ." in dockerfile  # no torch download
+
+
+def test_cli_renders_and_prints_next_steps(tmp_path):
+    done = cookiecutter_cli(tmp_path, "project=cli-demo", "nccl_profile=socket", "num_gpus=4")
+    assert done.returncode == 0, done.stderr
+    assert "torchrun --standalone --nproc-per-node 2 -m cli_demo.train" in done.stdout
+    job = yaml.safe_load((tmp_path / "cli-demo" / "k8s" / "job.yaml").read_text())
+    assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
