@@ -2,7 +2,7 @@
 
 import json
 
-ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')
+ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
 print(
     f"""

@@ -10,7 +10,7 @@ import re
 import sys
 
 # Raw string, and tojson escapes every quote: no answer can end this literal early.
-ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')
+ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 PACKAGE = re.compile(r"[a-z_][a-z0-9_]*")

@@ -17,9 +17,7 @@ PROFILES = DEFAULTS["nccl_profile"]
 
 def render(output_dir: Path, **context) -> Path:
     """Render with `context` over the defaults, no prompts; returns the project directory."""
-    return Path(
-        cookiecutter(str(TEMPLATE), no_input=True, extra_context=context, output_dir=str(output_dir))
-    )
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=context, output_dir=str(output_dir)))
 
 
 def cookiecutter_cli(output_dir: Path, *answers: str) -> subprocess.CompletedProcess:

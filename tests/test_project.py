@@ -1,0 +1,43 @@
+"""The rendered project works as its image runs it: installed non-editably, launched elsewhere."""
+
+import json
+import subprocess
+import sys
+
+from conftest import env_with_path
+
+
+def test_generated_projects_own_tests_pass(default_project, installed_default):
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=default_project, env=env_with_path(installed_default), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_torchrun_trains_from_another_directory(installed_default, tmp_path):
+    """The README's launch line, from a directory that holds no configs."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "ddp_project.train", "trainer.max_steps=200"],
+        cwd=tmp_path, env=env_with_path(installed_default), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 200 and rows[-1]["world_size"] == 2
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"]
+    assert "NCCL environment (nccl=auto)" in (run_dir / "train.log").read_text()
+
+
+def test_plain_python_runs_a_group_of_one(installed_default, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "ddp_project.train", "trainer.max_steps=5", "hydra.run.dir=run"],
+        cwd=tmp_path, env=env_with_path(installed_default), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world size 1, backend gloo" in (tmp_path / "run" / "train.log").read_text()
