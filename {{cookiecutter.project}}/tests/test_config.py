@@ -1,11 +1,14 @@
 """The real configs/ compose, and bad values fail before any process starts, naming the key."""
 
+import re
+
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.config import ConfigError, TrainConfig
+from {{ cookiecutter.package }}.config import Backend, ConfigError, TrainConfig, to_train_config
 
 PROFILE_ENV = {
     "auto": {},
@@ -71,3 +74,26 @@ def test_bad_override_fails_at_compose_naming_the_key(compose_train, override, k
 def test_out_of_range_value_fails_before_training_naming_the_key(compose_train, override, message):
     with pytest.raises(ConfigError, match=message):
         OmegaConf.to_object(compose_train(override))
+
+
+@pytest.mark.parametrize(
+    ("backend", "visible", "procs", "message"),
+    [
+        ("nccl", 0, 1, "dist.backend=nccl: no CUDA device is visible"),
+        ("auto", 2, 4, "--nproc-per-node=4: only 2 GPU(s) visible on this node"),
+    ],
+)
+def test_more_processes_than_gpus_is_refused(
+    compose_train, monkeypatch, backend, visible, procs, message
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        to_train_config(compose_train(f"dist.backend={backend}"))
+
+
+def test_gloo_ignores_gpu_count(compose_train, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert to_train_config(compose_train("dist.backend=gloo")).dist.backend is Backend.gloo

@@ -1,19 +1,23 @@
-"""Typed schema of every config group.
+"""Typed schema of every config group, and the checks that run before anything starts.
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
-fails at compose time, naming the key. Checks that types cannot express live in __post_init__,
-which runs when train.py turns the config into objects: still before any process group starts.
+fails at compose time, naming the key. Checks that types cannot express live in __post_init__ and
+check_devices; ValidateBeforeRun runs them before Hydra creates the run dir.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from {{ cookiecutter.package }} import nccl
 
@@ -121,6 +125,52 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
+
+
+def uses_cuda(backend: Backend) -> bool:
+    return backend is Backend.nccl or (backend is Backend.auto and torch.cuda.is_available())
+
+
+def check_devices(config: TrainConfig, local_world_size: int) -> None:
+    """torchrun's --nproc-per-node must fit the GPUs this node can see."""
+    if not uses_cuda(config.dist.backend):
+        return
+    visible = torch.cuda.device_count()
+    require(visible > 0, "dist.backend", "nccl", "no CUDA device is visible; use auto or gloo")
+    require(
+        local_world_size <= visible,
+        "--nproc-per-node",
+        local_world_size,
+        f"only {visible} GPU(s) visible on this node; use at most {visible} processes per node",
+    )
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The composed config as typed objects, checked; ConfigError names the bad key."""
+    config: TrainConfig = OmegaConf.to_object(cfg)
+    check_devices(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return config
+
+
+class ValidateBeforeRun(Callback):
+    """Hydra calls this before it creates the run dir, so a bad value leaves nothing behind."""
+
+    # torchrun stops every worker once the first one exits; the others give local rank 0 this
+    # long to print the error that they all found.
+    grace_s = 60
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        job_config = config.copy()
+        with open_dict(job_config):
+            del job_config["hydra"]
+        try:
+            to_train_config(job_config)
+        except ConfigError as err:
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                time.sleep(self.grace_s)
+            else:
+                print(f"config error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 def rank_zero_only(value: Any) -> Any:

@@ -9,13 +9,10 @@
 Rank and world size come only from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE).
 """
 
-import contextlib
 import gc
 import json
 import logging
 import os
-import shutil
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,10 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from {{ cookiecutter.package }} import nccl
 from {{ cookiecutter.package }}.config import (
-    Backend,
-    ConfigError,
     TrainConfig,
     register_configs,
+    uses_cuda,
 )
 from {{ cookiecutter.package }}.data import synthetic_dataset
 from {{ cookiecutter.package }}.model import build_model
@@ -53,22 +49,9 @@ def apply_nccl_env(cfg: TrainConfig, profile: str, rank: int) -> None:
             log.warning(warning)
 
 
-def select_device(cfg: TrainConfig, local_rank: int, local_world_size: int) -> torch.device:
-    use_cuda = cfg.dist.backend is Backend.nccl or (
-        cfg.dist.backend is Backend.auto and torch.cuda.is_available()
-    )
-    if not use_cuda:
+def select_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if not uses_cuda(cfg.dist.backend):
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    if visible == 0:
-        raise ConfigError(
-            "dist.backend=nccl: no CUDA device is visible; use dist.backend=auto or gloo"
-        )
-    if local_world_size > visible:
-        raise ConfigError(
-            f"--nproc-per-node {local_world_size}: only {visible} GPU(s) visible on this node; "
-            f"use at most {visible} processes per node"
-        )
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
@@ -148,10 +131,9 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     apply_nccl_env(cfg, nccl_profile, rank)
-    device = select_device(cfg, local_rank, local_world_size)
+    device = select_device(cfg, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
     standalone = (
@@ -173,14 +155,6 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
         dist.destroy_process_group()
 
 
-def discard_unused_run_dir(run_dir: Path) -> None:
-    """After a config error, remove the run dir if it holds only what Hydra wrote at start."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            run_dir.parent.rmdir()  # e.g. outputs/, if this run created it
-
-
 register_configs()  # the schema and resolvers must exist before Hydra composes
 
 
@@ -190,17 +164,10 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:
+    """Hydra has composed and validated the config (config.ValidateBeforeRun)."""
     hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
-        config: TrainConfig = OmegaConf.to_object(cfg)
-        main_worker(config, run_dir, hydra_cfg.runtime.choices["nccl"])
-    except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"config error: {err}", file=sys.stderr)
-            logging.shutdown()  # close train.log before its dir goes
-            discard_unused_run_dir(run_dir)
-        sys.exit(2)
+    config: TrainConfig = OmegaConf.to_object(cfg)
+    main_worker(config, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"])
 
 
 if __name__ == "__main__":
