@@ -9,6 +9,8 @@ import keyword
 import re
 import sys
 
+import cookiecutter
+
 # Raw string, and tojson escapes every quote: no answer can end this literal early.
 ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
@@ -27,6 +29,8 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Our own dependencies and the standard library: a package of that name would shadow them.
 SHADOWED = {"torch", "hydra", "omegaconf", "tests", "test", "src"} | set(sys.stdlib_module_names)
 FREE_TEXT_MAX = 200
+# 2.6 and older read booleans given on the command line as strings, which render as true.
+MIN_COOKIECUTTER = (2, 7)
 
 
 def check_dns_label(key: str, value: str) -> str | None:
@@ -110,8 +114,15 @@ def first_problem(answers: dict) -> str | None:
     return None
 
 
+def version_problem(version: str) -> str | None:
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if numbers < MIN_COOKIECUTTER:
+        return f"cookiecutter {version} is too old: this template needs 2.7 or newer (pip install 'cookiecutter>=2.7')"
+    return None
+
+
 def main() -> int:
-    message = first_problem(ANSWERS)
+    message = version_problem(cookiecutter.__version__) or first_problem(ANSWERS)
     if message:
         print(f"error: {message}", file=sys.stderr, flush=True)
         return 1

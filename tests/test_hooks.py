@@ -1,11 +1,14 @@
 """Hostile or invalid answers: refused in one clear line with nothing left behind, or rendered
 into files that stay valid and carry the text exactly."""
 
+import json
+import subprocess
+import sys
 import tomllib
 
 import pytest
 import yaml
-from conftest import cookiecutter_cli, render
+from conftest import DEFAULTS, TEMPLATE, cookiecutter_cli, render
 
 REFUSED = [
     ("project", "My Project", "project 'My Project' is not a Kubernetes DNS-1123 label"),
@@ -91,3 +94,22 @@ def test_boundary_values_are_accepted(tmp_path, key, value):
     done = cookiecutter_cli(tmp_path, f"{key}={value}")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "ddp-project" / "k8s" / "job.yaml").exists()
+
+
+def test_old_cookiecutter_is_refused_with_the_upgrade_command(tmp_path):
+    """Run the pre-gen hook as cookiecutter would, but under a stand-in cookiecutter 2.6."""
+    fake = tmp_path / "fake" / "cookiecutter"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.6.0"\n')
+    answers = {**DEFAULTS, "package": "ddp_project", "image": "ghcr.io/acme/ddp-project:latest"}
+    answers["nccl_profile"] = answers["nccl_profile"][0]
+    hook = (TEMPLATE / "hooks" / "pre_gen_project.py").read_text()
+    script = tmp_path / "hook.py"
+    script.write_text(hook.replace("{{ cookiecutter | tojson }}", json.dumps(answers)))
+    done = subprocess.run(
+        [sys.executable, str(script)], env={"PYTHONPATH": str(fake.parent)}, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "error: cookiecutter 2.6.0 is too old: this template needs 2.7 or newer (pip install 'cookiecutter>=2.7')"
+    )

@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import read_metrics, torchrun
 
+from {{ cookiecutter.package }}.probe import nvidia_smi_topology, nvlink_pairs_from_topo
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
@@ -25,6 +27,8 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
     assert transports, "NCCL printed no transport lines"
     if profile == "pcie_safe":
         assert not any(t.startswith("P2P") for t in transports)
+    elif (0, 1) in nvlink_pairs_from_topo(nvidia_smi_topology()):
+        assert any(t.startswith("P2P") for t in transports), "NVLink GPUs must keep P2P"
     rows = read_metrics(run_dir)
     assert "backend nccl" in (run_dir / "train.log").read_text()
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
