@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NoReturn, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -93,10 +93,19 @@ class TrainerConfig:
 @dataclass
 class DistConfig:
     backend: Backend = Backend.auto
-    timeout_s: int = 300
+    timeout_s: int = 180
+    gate_timeout_s: int = 60
+    async_error_handling: Optional[int] = 2
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
+        require(self.gate_timeout_s >= 1, "dist.gate_timeout_s", self.gate_timeout_s, "must be at least 1 second")
+        require(
+            self.async_error_handling in (None, 0, 1, 2, 3),
+            "dist.async_error_handling",
+            self.async_error_handling,
+            "must be null, 0, 1, 2 or 3 (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
+        )
 
 
 @dataclass
@@ -105,6 +114,7 @@ class NcclConfig:
 
     auto: bool = False  # fill in transport variables from the node's facts
     p2p_disable: Optional[bool] = None
+    p2p_level: Optional[str] = None
     ib_disable: Optional[bool] = None
     shm_disable: Optional[bool] = None
     socket_ifname: Optional[str] = None
@@ -152,12 +162,18 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return config
 
 
+def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
+    """Every local rank finds the same error. Local rank 0 prints it, once per node; the others
+    wait for that, because torchrun stops all workers as soon as the first one exits."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(grace_s)
+    sys.exit(2)
+
+
 class ValidateBeforeRun(Callback):
     """Hydra calls this before it creates the run dir, so a bad value leaves nothing behind."""
-
-    # torchrun stops every worker once the first one exits; the others give local rank 0 this
-    # long to print the error that they all found.
-    grace_s = 60
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         job_config = config.copy()
@@ -166,11 +182,7 @@ class ValidateBeforeRun(Callback):
         try:
             to_train_config(job_config)
         except ConfigError as err:
-            if os.environ.get("LOCAL_RANK", "0") != "0":
-                time.sleep(self.grace_s)
-            else:
-                print(f"config error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            exit_with_error(f"config error: {err}")
 
 
 def rank_zero_only(value: Any) -> Any:

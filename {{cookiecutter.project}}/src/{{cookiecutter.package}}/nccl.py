@@ -3,23 +3,26 @@
 Pure functions, standard library only, so every rule is testable without GPUs.
 
 Precedence, lowest first:
-  1. NCCL's own default (the variable stays unset);
+  1. NCCL's own default (the variable stays unset), or our flight-recorder default;
   2. the `auto` profile's choice, from the node facts;
   3. a variable already in the environment (e.g. the Kubernetes Job's env block);
-  4. an explicit, non-null config field (`nccl.p2p_disable=true`, `nccl.env.NCCL_ALGO=Ring`).
+  4. an explicit, non-null config field (`nccl.p2p_disable=true`, `nccl.env.NCCL_ALGO=Ring`,
+     `dist.async_error_handling=2`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
 # Config field -> the NCCL variable it sets. One field, one variable.
 FIELD_VARS = {
     "p2p_disable": "NCCL_P2P_DISABLE",
+    "p2p_level": "NCCL_P2P_LEVEL",
     "ib_disable": "NCCL_IB_DISABLE",
     "shm_disable": "NCCL_SHM_DISABLE",
     "socket_ifname": "NCCL_SOCKET_IFNAME",
@@ -27,18 +30,26 @@ FIELD_VARS = {
     "debug_subsys": "NCCL_DEBUG_SUBSYS",
 }
 NCCL_VAR = re.compile(r"NCCL_[A-Z0-9_]+")
-DEFAULT_SOURCE = "unset: NCCL decides"
+TRACKED_VAR = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")  # what the report shows from the environment
+# torchrun puts these into every worker's environment unless its own environment has them.
+LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+BROKEN = ("failed", "hang")  # outcomes of the peer-copy test that mean "no P2P on this pair"
+MIB = 2**20
 
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What the probe saw on this node."""
+    """What the probe saw on this node. GPU indices are CUDA's, as torch numbers them."""
 
     gpu_count: int
-    nvlink_pairs: frozenset[tuple[int, int]]  # (i, j) with i < j, joined by NVLink
+    nvlink_pairs: frozenset[tuple[int, int]]  # (i, j), i < j, joined by NVLink
     ib_active_ports: int
     world_size: int
     local_world_size: int
+    shm_bytes: int | None = None  # size of /dev/shm; None where it could not be read
+    # Peer-copy test of each PCIe-only pair: "ok", "failed" or "hang"; NVLink pairs are not tested.
+    p2p_tests: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    probe_s: float = 0.0
 
     @property
     def multi_node(self) -> bool:
@@ -48,6 +59,28 @@ class NodeFacts:
     def pcie_pairs(self) -> list[tuple[int, int]]:
         pairs = [(i, j) for i in range(self.gpu_count) for j in range(i + 1, self.gpu_count)]
         return [pair for pair in pairs if pair not in self.nvlink_pairs]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["nvlink_pairs"] = sorted(self.nvlink_pairs)
+        data["p2p_tests"] = [[i, j, result] for (i, j), result in sorted(self.p2p_tests.items())]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeFacts:
+        data = json.loads(text)
+        data["nvlink_pairs"] = frozenset(tuple(pair) for pair in data["nvlink_pairs"])
+        data["p2p_tests"] = {(i, j): result for i, j, result in data["p2p_tests"]}
+        return cls(**data)
+
+    def summary(self) -> str:
+        links = ", ".join(f"GPU{i}-GPU{j} NVLink" for i, j in sorted(self.nvlink_pairs))
+        tests = ", ".join(f"GPU{i}-GPU{j} PCIe P2P {r}" for (i, j), r in sorted(self.p2p_tests.items()))
+        shm = f"{self.shm_bytes / MIB:.0f} MiB" if self.shm_bytes is not None else "unknown"
+        nodes = "several nodes" if self.multi_node else "single node"
+        parts = [f"{self.gpu_count} GPU(s)", links, tests, f"{self.ib_active_ports} active IB port(s)"]
+        parts += [f"/dev/shm {shm}", nodes, f"probe took {self.probe_s:.2f} s"]
+        return "; ".join(part for part in parts if part)
 
 
 @dataclass(frozen=True)
@@ -67,7 +100,7 @@ class Setting:
 
 @dataclass(frozen=True)
 class Decision:
-    settings: dict[str, Setting]  # every NCCL variable we set, saw or reasoned about
+    settings: dict[str, Setting]  # every variable we set, saw or reasoned about
     warnings: tuple[str, ...]
 
     @property
@@ -75,11 +108,12 @@ class Decision:
         """The variables to write into os.environ before init_process_group."""
         return {var: s.value for var, s in self.settings.items() if s.value is not None}
 
-    def report(self) -> str:
-        width = max((len(var) for var in self.settings), default=0)
+    def report(self, only_nccl: bool = False) -> str:
+        shown = {v: s for v, s in self.settings.items() if not only_nccl or NCCL_VAR.fullmatch(v)}
+        width = max((len(var) for var in shown), default=0)
         lines = [
-            f"  {var:<{width}} = {s.value if s.value is not None else '(unset)':<6} {s.source}"
-            for var, s in sorted(self.settings.items())
+            f"  {var:<{width}} = {s.value if s.value is not None else '(unset)':<7} {s.source}"
+            for var, s in sorted(shown.items())
         ]
         return "\n".join(lines) if lines else "  (no NCCL variables set: NCCL decides everything)"
 
@@ -95,10 +129,10 @@ def env_value(value: Any) -> str:
 def config_env(nccl_cfg: Any) -> dict[str, tuple[str, str]]:
     """Explicit config values as {var: (value, source)}. Fields left null are not listed."""
     explicit = {}
-    for field, var in FIELD_VARS.items():
-        value = getattr(nccl_cfg, field)
+    for name, var in FIELD_VARS.items():
+        value = getattr(nccl_cfg, name)
         if value is not None:
-            explicit[var] = (env_value(value), f"config nccl.{field}")
+            explicit[var] = (env_value(value), f"config nccl.{name}")
     for var, value in nccl_cfg.env.items():
         explicit[var] = (env_value(value), f"config nccl.env.{var}")
     return explicit
@@ -107,7 +141,7 @@ def config_env(nccl_cfg: Any) -> dict[str, tuple[str, str]]:
 def config_errors(nccl_cfg: Any) -> list[str]:
     """Problems that typing alone cannot catch, one line each, naming the key."""
     errors = []
-    field_of = {var: field for field, var in FIELD_VARS.items()}
+    field_of = {var: name for name, var in FIELD_VARS.items()}
     for var in nccl_cfg.env:
         if not NCCL_VAR.fullmatch(var):
             errors.append(f"nccl.env.{var}: keys must be NCCL_* variable names (A-Z, 0-9, _)")
@@ -116,76 +150,113 @@ def config_errors(nccl_cfg: Any) -> list[str]:
     return errors
 
 
-def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
-    """The `auto` profile's rules. Until the P2P probe exists, P2P is never disabled."""
-    choices = []
-    if facts.gpu_count > 1 and facts.local_world_size > 1:
-        if facts.nvlink_pairs:
-            pairs = ", ".join(f"GPU{i}-GPU{j}" for i, j in sorted(facts.nvlink_pairs))
-            choices.append(
-                AutoChoice("NCCL_P2P_DISABLE", None, f"auto: NVLink between {pairs}, P2P kept")
-            )
-        if facts.pcie_pairs:
-            pairs = ", ".join(f"GPU{i}-GPU{j}" for i, j in facts.pcie_pairs)
-            choices.append(
-                AutoChoice(
-                    "NCCL_P2P_DISABLE",
-                    None,
-                    f"auto: PCIe between {pairs}, no evidence P2P is broken",
-                )
-            )
+def pairs_text(pairs: list[tuple[int, int]]) -> str:
+    return ", ".join(f"GPU{i}-GPU{j}" for i, j in pairs)
+
+
+def p2p_choices(facts: NodeFacts) -> list[AutoChoice]:
+    """NVLink pairs keep P2P. A PCIe pair whose peer copy failed or hung loses it: all of P2P
+    where no NVLink exists, only the PCIe path (NCCL_P2P_LEVEL=NVL) where some pairs have it."""
+    if facts.gpu_count < 2 or facts.local_world_size < 2:
+        return []
+    nvlink = sorted(facts.nvlink_pairs)
+    tested = sorted(facts.p2p_tests.items())
+    broken = [f"GPU{i}-GPU{j} {result}" for (i, j), result in tested if result in BROKEN]
+    working = [pair for pair, result in tested if result == "ok"]
+    evidence = []
+    if nvlink:
+        evidence.append(f"NVLink between {pairs_text(nvlink)}")
+    if working:
+        evidence.append(f"PCIe P2P copy verified between {pairs_text(working)}")
+    if not broken:
+        return [AutoChoice("NCCL_P2P_DISABLE", None, "auto: " + "; ".join(evidence) + ", P2P kept")]
+    evidence.append("PCIe P2P copy " + ", ".join(broken))
+    if nvlink:
+        return [AutoChoice("NCCL_P2P_LEVEL", "NVL", "auto: " + "; ".join(evidence) + ", P2P over NVLink only")]
+    return [AutoChoice("NCCL_P2P_DISABLE", "1", "auto: " + "; ".join(evidence) + ", P2P off")]
+
+
+def ib_choice(facts: NodeFacts) -> AutoChoice:
     if not facts.multi_node:
-        choices.append(AutoChoice("NCCL_IB_DISABLE", "1", "auto: single node, InfiniBand unused"))
-    elif facts.ib_active_ports == 0:
-        choices.append(
-            AutoChoice("NCCL_IB_DISABLE", "1", "auto: several nodes, no active InfiniBand port")
-        )
-    else:
-        choices.append(
-            AutoChoice(
-                "NCCL_IB_DISABLE",
-                None,
-                f"auto: several nodes, {facts.ib_active_ports} active IB ports",
-            )
-        )
-    return choices
+        return AutoChoice("NCCL_IB_DISABLE", "1", "auto: single node, InfiniBand unused")
+    if facts.ib_active_ports == 0:
+        return AutoChoice("NCCL_IB_DISABLE", "1", "auto: several nodes, no active InfiniBand port")
+    return AutoChoice("NCCL_IB_DISABLE", None, f"auto: several nodes, {facts.ib_active_ports} active IB port(s)")
 
 
-def merge_auto(choices: list[AutoChoice]) -> dict[str, Setting]:
-    """One setting per variable; a concrete value beats "leave it", reasons are joined."""
-    merged: dict[str, Setting] = {}
-    for choice in choices:
-        earlier = merged.get(choice.var)
-        value = choice.value if choice.value is not None else (earlier.value if earlier else None)
-        source = (
-            f"{earlier.source}; {choice.reason.removeprefix('auto: ')}"
-            if earlier
-            else choice.reason
-        )
-        merged[choice.var] = Setting(value, source)
-    return merged
+def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
+    """The `auto` profile's rules, each with the evidence behind it."""
+    return [*p2p_choices(facts), ib_choice(facts)]
 
 
-def decide(nccl_cfg: Any, facts: NodeFacts | None, inherited: Mapping[str, str]) -> Decision:
-    """The NCCL environment for one process. Identical inputs give every rank the same env."""
-    settings: dict[str, Setting] = {}
+def fail_fast_env(trace_prefix: str, buffer_var: str = "TORCH_FR_BUFFER_SIZE") -> dict[str, str]:
+    """Flight-recorder defaults: each rank keeps its last collectives and dumps them to
+    trace_prefix<rank> when one times out. PyTorch before 2.11 names the buffer
+    TORCH_NCCL_TRACE_BUFFER_SIZE."""
+    return {buffer_var: "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace_prefix}
+
+
+def decide(
+    nccl_cfg: Any,
+    facts: NodeFacts | None,
+    inherited: Mapping[str, str],
+    defaults: Mapping[str, str] | None = None,
+    explicit: Mapping[str, tuple[str, str]] | None = None,
+) -> Decision:
+    """The environment for one process. Identical inputs give every rank the same env.
+
+    `defaults` sit below the environment; `explicit` ({var: (value, source)}) ranks with the
+    config's own fields, above it.
+    """
+    settings = {var: Setting(value, "flight-recorder default") for var, value in (defaults or {}).items()}
     warnings = []
     if nccl_cfg.auto and facts is not None:
-        settings.update(merge_auto(auto_choices(facts)))
+        for choice in auto_choices(facts):
+            settings[choice.var] = Setting(choice.value, choice.reason)
     for var, value in inherited.items():
-        if NCCL_VAR.fullmatch(var):
+        if TRACKED_VAR.fullmatch(var):
             earlier = settings.get(var)
-            overruled = (
-                f" (over {earlier.source} -> {earlier.value})"
-                if earlier and earlier.value != value
-                else ""
-            )
+            overruled = f" (over {earlier.source} -> {earlier.value})" if earlier and earlier.value != value else ""
             settings[var] = Setting(value, f"environment{overruled}")
-    for var, (value, source) in config_env(nccl_cfg).items():
-        if var in inherited and inherited[var] != value:
-            warnings.append(
-                f"{source}={value} overrides {var}={inherited[var]} from the environment; "
-                f"{var}={value} is in force"
-            )
+    for var, (value, source) in {**config_env(nccl_cfg), **(explicit or {})}.items():
+        before = inherited.get(var)
+        if before is not None and before != value:
+            if LAUNCHER_DEFAULTS.get(var) == before:
+                source += f" (over torchrun's default {before})"
+            else:
+                warnings.append(
+                    f"{source}={value} overrides {var}={before} from the environment; {var}={value} is in force"
+                )
         settings[var] = Setting(value, source)
     return Decision(settings, tuple(warnings))
+
+
+def shm_needed_bytes(local_world_size: int, env: Mapping[str, str]) -> int:
+    """What NCCL's SHM transport maps in /dev/shm: per rank and channel, a send and a receive
+    buffer of NCCL_BUFFSIZE (4 MiB by default). We budget 16 channels."""
+    buffsize = int(env.get("NCCL_BUFFSIZE", 4 * MIB))
+    return local_world_size * 16 * 2 * buffsize
+
+
+def uses_shm(facts: NodeFacts, env: Mapping[str, str]) -> bool:
+    """Local ranks talk over SHM where P2P is off for some pair and SHM is not disabled."""
+    if facts.local_world_size < 2 or env.get("NCCL_SHM_DISABLE") == "1":
+        return False
+    if env.get("NCCL_P2P_DISABLE") == "1":
+        return True
+    return env.get("NCCL_P2P_LEVEL") in ("NVL", "0", "LOC") and bool(facts.pcie_pairs)
+
+
+def shm_error(facts: NodeFacts, env: Mapping[str, str]) -> str | None:
+    """A one-paragraph error when /dev/shm cannot hold the SHM transport that will be used."""
+    if facts.shm_bytes is None or not uses_shm(facts, env):
+        return None
+    needed = shm_needed_bytes(facts.local_world_size, env)
+    if facts.shm_bytes >= needed:
+        return None
+    return (
+        f"/dev/shm is {facts.shm_bytes / MIB:.0f} MiB, but NCCL's shared-memory transport (used here "
+        f"because P2P is off) needs about {needed / MIB:.0f} MiB for {facts.local_world_size} local "
+        "ranks. On Kubernetes, mount an emptyDir with medium: Memory at /dev/shm (k8s/job.yaml does; "
+        "raise its sizeLimit); with docker, pass --shm-size=1g or --ipc=host."
+    )

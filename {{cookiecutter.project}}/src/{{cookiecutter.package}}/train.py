@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,27 +27,70 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }} import failfast, nccl, probe
 from {{ cookiecutter.package }}.config import (
     TrainConfig,
+    exit_with_error,
     register_configs,
     uses_cuda,
 )
 from {{ cookiecutter.package }}.data import synthetic_dataset
 from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.probe import probe_node
 
 log = logging.getLogger(__name__)
 
 
-def apply_nccl_env(cfg: TrainConfig, profile: str, rank: int) -> None:
+def flight_recorder_buffer_var() -> str:
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return "TORCH_FR_BUFFER_SIZE" if version >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
+def apply_nccl_env(cfg: TrainConfig, profile: str, run_dir: Path) -> nccl.Decision:
     """NCCL reads its variables once, when the first communicator is made: write them first."""
-    decision = nccl.decide(cfg.nccl, probe_node() if cfg.nccl.auto else None, os.environ)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    facts = probe.shared_node_facts(run_dir, local_rank) if cfg.nccl.auto else probe.basic_facts()
+    (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
+    recorder = nccl.fail_fast_env(str(run_dir / "nccl" / "trace_rank_"), flight_recorder_buffer_var())
+    explicit = {}
+    if cfg.dist.async_error_handling is not None:
+        value = str(cfg.dist.async_error_handling)
+        explicit["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = (value, "config dist.async_error_handling")
+    decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
+    shm_problem = nccl.shm_error(facts, decision.env)
+    if shm_problem:
+        exit_with_error(shm_problem)
     os.environ.update(decision.env)
-    if rank == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
+        if cfg.nccl.auto:
+            log.info("node probe: %s", facts.summary())
         log.info("NCCL environment (nccl=%s):\n%s", profile, decision.report())
         for warning in decision.warnings:
             log.warning(warning)
+    return decision
+
+
+def report_collective_failure(
+    failure: failfast.CollectiveFailure, cfg: TrainConfig, decision: nccl.Decision, profile: str, run_dir: Path
+) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if failfast.claim_report(run_dir):
+        block = failfast.remedy_block(
+            failure,
+            rank=rank,
+            timeout_s=cfg.dist.timeout_s,
+            decision=decision,
+            profile=profile,
+            package=__package__,
+            nproc=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            trace_prefix=decision.env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""),
+        )
+        print(block, file=sys.stderr, flush=True)
+    else:
+        print(
+            f"rank {rank}: {failure.collective} #{failure.sequence} failed too; see the first report above",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def select_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -132,27 +176,34 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
-    apply_nccl_env(cfg, nccl_profile, rank)
+    decision = apply_nccl_env(cfg, nccl_profile, run_dir)
     device = select_device(cfg, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
-    standalone = (
-        {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    )
+    standalone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=cfg.dist.timeout_s),
         device_id=device if device.type == "cuda" else None,  # make the NCCL communicator now
         **standalone,
     )
+    failed = None
     try:
+        failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
         if rank == 0:
-            log.info("world size %d, backend %s, run dir %s", world_size, backend, run_dir)
+            log.info("world size %d, backend %s, gate all-reduce passed, run dir %s", world_size, backend, run_dir)
         train(cfg, device, run_dir, rank, world_size)
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()
+    except Exception as err:
+        failed = failfast.as_collective_failure(err, phase="training")
+        if failed is None:
+            raise
+        report_collective_failure(failed, cfg, decision, nccl_profile, run_dir)
     finally:
         dist.destroy_process_group()
+    if failed:
+        sys.exit(failfast.EXIT_COLLECTIVE_FAILED)
 
 
 register_configs()  # the schema and resolvers must exist before Hydra composes
