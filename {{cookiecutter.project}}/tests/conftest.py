@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,56 @@ def torchrun(
         command, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The torchrun worker with RANK=rank among the launcher's children (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def hang_one_rank(
+    cwd: Path, *overrides: str, timeout_s: int, env: dict | None = None
+) -> tuple[int, str, float]:
+    """Train, SIGSTOP rank 1 once steps are being logged, and wait for torchrun to give up.
+
+    Returns (exit code, output, seconds from the stop to the exit).
+    """
+    run_dir = cwd / "hung-run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", f"{PACKAGE}.train", "trainer.max_steps=100000000", "trainer.log_every=5",
+               f"dist.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}", *overrides]  # fmt: skip
+    launcher = subprocess.Popen(
+        command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    stopped = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        stopped = worker_pid(launcher.pid, rank=1)
+        assert stopped is not None, "rank 1 not found"
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output, _ = launcher.communicate(timeout=timeout_s + 90)
+        return launcher.returncode, output, time.monotonic() - stopped_at
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+        if stopped is not None and Path(f"/proc/{stopped}").exists():
+            os.kill(stopped, signal.SIGKILL)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,11 +1,15 @@
 """The same end-to-end run with backend nccl on 2 GPUs. Skipped where fewer than 2 are visible."""
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import read_metrics, torchrun
+from conftest import PACKAGE, hang_one_rank, read_metrics, torchrun
 
+from {{ cookiecutter.package }} import doctor
 from {{ cookiecutter.package }}.probe import nvidia_smi_topology, nvlink_pairs_from_topo
 
 pytestmark = [
@@ -30,8 +34,37 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
     elif (0, 1) in nvlink_pairs_from_topo(nvidia_smi_topology()):
         assert any(t.startswith("P2P") for t in transports), "NVLink GPUs must keep P2P"
     rows = read_metrics(run_dir)
-    assert "backend nccl" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "backend nccl, gate all-reduce passed" in log
+    if profile == "auto":
+        probe_s = float(re.search(r"probe took ([\d.]+) s", log).group(1))
+        assert probe_s <= 3.0
+        print(f"\nGPU-RESULT probe_s={probe_s}")
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
     samples_per_s = sum(row["samples_per_s"] for row in rows[1:]) / len(rows[1:])  # after warm-up
     print(f"\nGPU-RESULT nccl={profile} transports={','.join(transports)} "
           f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f}")  # fmt: skip
+
+
+def test_doctor_recommends_a_working_profile_and_auto_is_near_the_best():
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.doctor", "--json"], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    results = {r["profile"]: r for r in report["profiles"]}
+    best = max(r["busbw_gbps"]["1024MiB"] for r in results.values() if r["result"] == "works")
+    assert results["auto"]["result"] == "works"
+    assert results["auto"]["busbw_gbps"]["1024MiB"] >= 0.95 * best
+    if any(row["link"] == "NVLink" for row in report["p2p"]):
+        assert "NCCL_P2P_DISABLE" not in results["auto"]["env"]
+    print("\nGPU-DOCTOR\n" + doctor.render(report))
+
+
+def test_a_hung_rank_under_nccl_fails_fast_with_the_remedy(tmp_path):
+    timeout_s = 20
+    code, output, seconds = hang_one_rank(tmp_path, timeout_s=timeout_s)
+    print(f"\nGPU-RESULT hung rank: exit {code} after {seconds:.0f} s")
+    assert code != 0
+    assert seconds <= timeout_s + 60, output[-3000:]
+    assert "A collective failed on rank 0" in output, output[-3000:]
+    assert "Likely causes, most likely first" in output

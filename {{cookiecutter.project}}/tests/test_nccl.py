@@ -7,40 +7,90 @@ from {{ cookiecutter.package }}.config import ConfigError, NcclConfig
 from {{ cookiecutter.package }}.probe import active_ib_ports, nvlink_pairs_from_topo
 
 
-def facts(gpus=2, nvlink=((0, 1),), ib=0, world=2, local_world=2) -> nccl.NodeFacts:
-    return nccl.NodeFacts(gpus, frozenset(nvlink), ib, world, local_world)
+def facts(
+    gpus=2, nvlink=((0, 1),), ib=0, world=2, local_world=2, shm=2**30, tests=None
+) -> nccl.NodeFacts:
+    return nccl.NodeFacts(gpus, frozenset(nvlink), ib, world, local_world, shm, tests or {})
 
 
 AUTO = NcclConfig(auto=True)
 
 
+def auto_env(node: nccl.NodeFacts) -> dict[str, str]:
+    return nccl.decide(AUTO, node, inherited={}).env
+
+
 def test_auto_keeps_p2p_between_nvlink_gpus():
     decision = nccl.decide(AUTO, facts(), inherited={})
-    assert "NCCL_P2P_DISABLE" not in decision.env
+    assert decision.env == {"NCCL_IB_DISABLE": "1"}
     assert "NVLink between GPU0-GPU1" in decision.settings["NCCL_P2P_DISABLE"].source
 
 
-def test_auto_on_mixed_links_never_disables_p2p():
-    node = facts(gpus=4, nvlink=((0, 1), (2, 3)), world=4, local_world=4)
+def test_auto_keeps_p2p_on_a_pcie_pair_whose_copy_works():
+    node = facts(nvlink=(), tests={(0, 1): "ok"})
     decision = nccl.decide(AUTO, node, inherited={})
+    assert decision.env == {"NCCL_IB_DISABLE": "1"}
+    assert (
+        "PCIe P2P copy verified between GPU0-GPU1" in decision.settings["NCCL_P2P_DISABLE"].source
+    )
+
+
+@pytest.mark.parametrize("outcome", ["hang", "failed"])
+def test_auto_disables_p2p_on_a_pcie_pair_whose_copy_hangs_or_fails(outcome):
+    decision = nccl.decide(AUTO, facts(nvlink=(), tests={(0, 1): outcome}), inherited={})
+    assert decision.env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    assert f"GPU0-GPU1 {outcome}" in decision.settings["NCCL_P2P_DISABLE"].source
+
+
+def test_auto_on_mixed_links_keeps_nvlink_and_drops_only_broken_pcie():
+    node = facts(gpus=4, nvlink=((0, 1), (2, 3)), world=4, local_world=4,
+                 tests={(0, 2): "ok", (0, 3): "hang", (1, 2): "ok", (1, 3): "ok"})  # fmt: skip
+    decision = nccl.decide(AUTO, node, inherited={})
+    assert decision.env == {"NCCL_P2P_LEVEL": "NVL", "NCCL_IB_DISABLE": "1"}
     assert "NCCL_P2P_DISABLE" not in decision.env
-    source = decision.settings["NCCL_P2P_DISABLE"].source
-    assert "GPU0-GPU1, GPU2-GPU3" in source and "PCIe between GPU0-GPU2" in source
+    assert "GPU0-GPU3 hang" in decision.settings["NCCL_P2P_LEVEL"].source
 
 
-def test_auto_single_node_disables_ib():
-    assert nccl.decide(AUTO, facts(), inherited={}).env == {"NCCL_IB_DISABLE": "1"}
+def test_auto_on_mixed_links_with_working_pcie_changes_nothing():
+    node = facts(
+        gpus=3, nvlink=((0, 1),), world=3, local_world=3, tests={(0, 2): "ok", (1, 2): "ok"}
+    )
+    assert auto_env(node) == {"NCCL_IB_DISABLE": "1"}
+
+
+def test_auto_single_gpu_sets_only_ib():
+    assert auto_env(facts(gpus=1, nvlink=(), world=1, local_world=1)) == {"NCCL_IB_DISABLE": "1"}
 
 
 @pytest.mark.parametrize(("ib_ports", "expected"), [(0, {"NCCL_IB_DISABLE": "1"}), (2, {})])
 def test_auto_several_nodes_keeps_ib_only_when_active(ib_ports, expected):
-    node = facts(ib=ib_ports, world=8, local_world=2)
-    assert nccl.decide(AUTO, node, inherited={}).env == expected
+    assert auto_env(facts(ib=ib_ports, world=8, local_world=2)) == expected
 
 
-def test_auto_single_gpu_sets_only_ib():
-    node = facts(gpus=1, nvlink=(), world=1, local_world=1)
-    assert nccl.decide(AUTO, node, inherited={}).env == {"NCCL_IB_DISABLE": "1"}
+def test_small_dev_shm_stops_with_the_kubernetes_fix_when_shm_will_carry_traffic():
+    node = facts(nvlink=(), shm=64 * 2**20, tests={(0, 1): "hang"})
+    message = nccl.shm_error(node, auto_env(node))
+    assert "/dev/shm is 64 MiB" in message and "needs about 256 MiB" in message
+    assert "emptyDir with medium: Memory at /dev/shm" in message
+
+
+def test_small_dev_shm_is_fine_where_p2p_or_no_shm_carries_traffic():
+    small = 64 * 2**20
+    assert nccl.shm_error(facts(shm=small), auto_env(facts(shm=small))) is None  # NVLink P2P
+    assert (
+        nccl.shm_error(facts(shm=small), {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}) is None
+    )
+    assert nccl.shm_error(facts(shm=small, local_world=1), {"NCCL_P2P_DISABLE": "1"}) is None
+    assert nccl.shm_error(facts(shm=2**30), {"NCCL_P2P_DISABLE": "1"}) is None
+
+
+def test_shm_need_follows_nccl_buffsize():
+    assert nccl.shm_needed_bytes(2, {"NCCL_BUFFSIZE": str(2**20)}) == 2 * 16 * 2 * 2**20
+
+
+def test_facts_survive_the_trip_between_local_ranks():
+    node = facts(gpus=3, nvlink=((0, 1),), tests={(0, 2): "hang", (1, 2): "ok"})
+    assert nccl.NodeFacts.from_json(node.to_json()) == node
 
 
 def test_nccl_default_sets_nothing_even_with_facts():
@@ -57,11 +107,12 @@ def test_pcie_safe_fields_map_one_to_one():
 
 def test_every_field_and_env_map_reach_the_environment():
     cfg = NcclConfig(
-        p2p_disable=False, ib_disable=True, shm_disable=False, socket_ifname="^lo,docker",
+        p2p_disable=False, p2p_level="PIX", ib_disable=True, shm_disable=False, socket_ifname="^lo,docker",
         debug="INFO", debug_subsys="INIT,NET", env={"NCCL_ALGO": "Ring"},
     )  # fmt: skip
     assert nccl.decide(cfg, None, inherited={}).env == {
         "NCCL_P2P_DISABLE": "0",
+        "NCCL_P2P_LEVEL": "PIX",
         "NCCL_IB_DISABLE": "1",
         "NCCL_SHM_DISABLE": "0",
         "NCCL_SOCKET_IFNAME": "^lo,docker",
@@ -92,12 +143,34 @@ def test_agreeing_inherited_value_gives_no_warning():
 
 
 def test_every_rank_gets_the_same_env():
-    inherited = {"NCCL_DEBUG": "WARN"}
-    envs = {
-        rank: nccl.decide(AUTO, facts(world=4, local_world=4), dict(inherited)).env
-        for rank in range(4)
-    }
-    assert len({tuple(sorted(env.items())) for env in envs.values()}) == 1
+    shared = facts(gpus=4, nvlink=(), world=4, local_world=4, tests={(0, 1): "hang"}).to_json()
+    envs = [
+        nccl.decide(AUTO, nccl.NodeFacts.from_json(shared), {"NCCL_DEBUG": "WARN"}).env
+        for _ in range(4)
+    ]
+    assert all(env == envs[0] for env in envs)
+    assert envs[0]["NCCL_P2P_DISABLE"] == "1"
+
+
+def test_flight_recorder_defaults_yield_to_the_environment():
+    defaults = nccl.fail_fast_env("/run/nccl/trace_rank_")
+    decision = nccl.decide(
+        NcclConfig(), None, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, defaults=defaults
+    )
+    assert decision.env == {**defaults, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+def test_explicit_async_error_handling_beats_torchruns_default_quietly():
+    explicit = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("2", "config dist.async_error_handling")}
+    quiet = nccl.decide(
+        NcclConfig(), None, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, explicit=explicit
+    )
+    assert quiet.env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"} and quiet.warnings == ()
+    assert "over torchrun's default 1" in quiet.settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"].source
+    loud = nccl.decide(
+        NcclConfig(), None, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, explicit=explicit
+    )
+    assert "overrides TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in loud.warnings[0]
 
 
 @pytest.mark.parametrize(

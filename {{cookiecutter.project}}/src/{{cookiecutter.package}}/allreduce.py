@@ -40,7 +40,9 @@ def measure(sizes_mib: list[int], device: torch.device) -> dict[str, float]:
     for mib in sizes_mib:
         tensor = torch.ones(mib * MIB // 4, device=device)
         first = time_all_reduce(tensor, 2)  # warm-up, and a guide to how many iterations fit
-        iterations = torch.tensor([max(3, min(50, int(MIN_TIMED_S / max(first, 1e-6))))], device=device)
+        iterations = torch.tensor(
+            [max(3, min(50, int(MIN_TIMED_S / max(first, 1e-6))))], device=device
+        )
         dist.all_reduce(iterations, op=dist.ReduceOp.MIN)  # every rank must run the same count
         seconds = time_all_reduce(tensor, int(iterations.item()))
         results[f"{mib}MiB"] = round(bus_bandwidth_gbps(tensor.nbytes, seconds, world), 2)
@@ -48,7 +50,9 @@ def measure(sizes_mib: list[int], device: torch.device) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 1024])
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -66,7 +70,12 @@ def main() -> None:
     init_s = time.perf_counter() - started
     busbw = measure(args.sizes_mib, device)
     if dist.get_rank() == 0:
-        result = {"backend": dist.get_backend(), "world_size": world, "init_s": round(init_s, 2), "busbw_gbps": busbw}
+        result = {
+            "backend": dist.get_backend(),
+            "world_size": world,
+            "init_s": round(init_s, 2),
+            "busbw_gbps": busbw,
+        }
         print("ALLREDUCE " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

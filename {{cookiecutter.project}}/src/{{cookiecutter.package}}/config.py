@@ -99,7 +99,12 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
-        require(self.gate_timeout_s >= 1, "dist.gate_timeout_s", self.gate_timeout_s, "must be at least 1 second")
+        require(
+            self.gate_timeout_s >= 1,
+            "dist.gate_timeout_s",
+            self.gate_timeout_s,
+            "must be at least 1 second",
+        )
         require(
             self.async_error_handling in (None, 0, 1, 2, 3),
             "dist.async_error_handling",

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from {{ cookiecutter.package }} import nccl, probe
 from {{ cookiecutter.package }}.config import TrainConfig, register_configs
 
-PACKAGE = __package__ or "{{ cookiecutter.package }}"
+PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]
 GPU_SIZES_MIB = [1, 64, 1024]
 CPU_SIZES_MIB = [1, 64]
@@ -46,7 +46,12 @@ class ProfileResult:
 
 
 def versions() -> dict[str, str]:
-    found = {"torch": torch.__version__, "cuda": torch.version.cuda or "none", "nccl": "none", "driver": "none"}
+    found = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "nccl": "none",
+        "driver": "none",
+    }
     if torch.cuda.is_available():
         found["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
         smi = probe.run_with_hard_timeout(
@@ -60,7 +65,9 @@ def versions() -> dict[str, str]:
 def interfaces(sys_net: Path = Path("/sys/class/net")) -> dict[str, str]:
     """Network interfaces and their state: NCCL_SOCKET_IFNAME must name one that is up."""
     return {
-        name: (sys_net / name / "operstate").read_text().strip() if (sys_net / name).exists() else "unknown"
+        name: (sys_net / name / "operstate").read_text().strip()
+        if (sys_net / name).exists()
+        else "unknown"
         for _, name in socket.if_nameindex()
     }
 
@@ -69,13 +76,20 @@ def profile_configs(names: list[str]) -> dict[str, TrainConfig]:
     """Each profile as training would compose it, from the project's own configs/."""
     register_configs()
     with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
-        return {name: OmegaConf.to_object(compose("train", overrides=[f"nccl={name}"])) for name in names}
+        return {
+            name: OmegaConf.to_object(compose("train", overrides=[f"nccl={name}"]))
+            for name in names
+        }
 
 
-def run_profile(name: str, env: dict[str, str], nproc: int, sizes: list[int], timeout_s: float) -> ProfileResult:
+def run_profile(
+    name: str, env: dict[str, str], nproc: int, sizes: list[int], timeout_s: float
+) -> ProfileResult:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", f"{PACKAGE}.allreduce", "--sizes-mib", *map(str, sizes)]  # fmt: skip
-    outcome = probe.run_with_hard_timeout(command, timeout_s, env={**os.environ, **env}, capture=True)
+    outcome = probe.run_with_hard_timeout(
+        command, timeout_s, env={**os.environ, **env}, capture=True
+    )
     found = ALLREDUCE_LINE.search(outcome.output)
     if outcome.status == "ok" and found:
         measured = json.loads(found.group(1))
@@ -121,21 +135,30 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         "interfaces": interfaces(),
     }
     if gpus == 0:
-        report["note"] = "no CUDA device is visible: NCCL cannot run here; checked gloo on CPU instead"
+        report["note"] = (
+            "no CUDA device is visible: NCCL cannot run here; checked gloo on CPU instead"
+        )
         sizes = CPU_SIZES_MIB
         results = [run_profile("gloo (CPU)", {}, nproc, sizes, timeout_s)]
     else:
-        decisions = {name: nccl.decide(cfg.nccl, facts, os.environ) for name, cfg in profile_configs(names).items()}
+        decisions = {
+            name: nccl.decide(cfg.nccl, facts, os.environ)
+            for name, cfg in profile_configs(names).items()
+        }
         if "auto" in decisions:
             report["auto_decision"] = decisions["auto"].report(only_nccl=True)
         sizes = GPU_SIZES_MIB
-        results = [run_profile(name, decisions[name].env, nproc, sizes, timeout_s) for name in names]
+        results = [
+            run_profile(name, decisions[name].env, nproc, sizes, timeout_s) for name in names
+        ]
     report["sizes"] = [f"{mib}MiB" for mib in sizes]
     report["profiles"] = [asdict(r) for r in results]
     best = recommend(results, report["sizes"][-1])
     report["recommended"] = best.profile if best else None
     if best and gpus:
-        report["pin"] = f"- nccl: {best.profile}    # in the defaults list of configs/train.yaml; or override nccl={best.profile}"
+        report["pin"] = (
+            f"- nccl: {best.profile}    # in the defaults list of configs/train.yaml; or override nccl={best.profile}"
+        )
     return report
 
 
@@ -159,17 +182,25 @@ def render(report: dict) -> str:
         "",
         f"InfiniBand: {report['infiniband_active_ports']} active port(s)",
         f"/dev/shm: {shm / 2**20:.0f} MiB" if shm is not None else "/dev/shm: unknown",
-        "Interfaces: " + ", ".join(f"{name} ({state})" for name, state in report["interfaces"].items()),
+        "Interfaces: "
+        + ", ".join(f"{name} ({state})" for name, state in report["interfaces"].items()),
     ]
     if "note" in report:
         lines += ["", report["note"]]
     if "auto_decision" in report:
         lines += ["", "nccl=auto decides here:", report["auto_decision"]]
     sizes = report["sizes"]
-    lines += ["", f"{'profile':<14}{'result':<8}{'init':>7}" + "".join(f"{s:>9}" for s in sizes) + "   (bus GB/s)"]
+    lines += [
+        "",
+        f"{'profile':<14}{'result':<8}{'init':>7}"
+        + "".join(f"{s:>9}" for s in sizes)
+        + "   (bus GB/s)",
+    ]
     for r in report["profiles"]:
         init = f"{r['init_s']:6.1f}s" if r["init_s"] is not None else "      -"
-        row = f"{r['profile']:<14}{r['result']:<8}{init}" + "".join(gbps(r["busbw_gbps"].get(s)) + " " for s in sizes)
+        row = f"{r['profile']:<14}{r['result']:<8}{init}" + "".join(
+            gbps(r["busbw_gbps"].get(s)) + " " for s in sizes
+        )
         lines.append(row.rstrip() + (f"   {r['error']}" if r["error"] else ""))
     if report.get("pin"):
         lines += ["", f"Recommended: nccl={report['recommended']}, the fastest profile that works here. Pin it:",
@@ -182,11 +213,19 @@ def render(report: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the report"
+    )
     parser.add_argument("--profiles", nargs="+", choices=PROFILES, default=PROFILES)
-    parser.add_argument("--nproc", type=int, help="processes to test with (default: all GPUs, or 2 on CPU)")
-    parser.add_argument("--timeout-s", type=float, default=90, help="per profile; past it the profile 'hangs'")
+    parser.add_argument(
+        "--nproc", type=int, help="processes to test with (default: all GPUs, or 2 on CPU)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=90, help="per profile; past it the profile 'hangs'"
+    )
     args = parser.parse_args()
     report = diagnose(args.profiles, args.nproc, args.timeout_s)
     print(json.dumps(report, indent=2) if args.json else render(report))

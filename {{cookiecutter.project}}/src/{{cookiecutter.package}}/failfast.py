@@ -18,10 +18,12 @@ EXIT_COLLECTIVE_FAILED = 3
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")
 COMM_FAILURE = re.compile(
     r"timed out|timeout|watchdog|connection closed|connection reset|nccl error|ncclRemoteError|"
-    r"ncclSystemError|ncclInternalError|ncclUnhandledCudaError|communicator was aborted",
+    r"ncclSystemError|ncclInternalError|ncclUnhandledCudaError|\baborted\b",
     re.IGNORECASE,
 )
-GATE_BYTES = 4 * 2**20  # large enough to leave NCCL's small-message path, small enough to be instant
+GATE_BYTES = (
+    4 * 2**20
+)  # large enough to leave NCCL's small-message path, small enough to be instant
 
 
 class GateFailed(RuntimeError):
@@ -44,13 +46,17 @@ def gate(device: torch.device, timeout_s: float) -> None:
     try:
         completed = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        raise GateFailed(f"the gate all-reduce did not finish within {timeout_s:g} s: {err}") from err
+        raise GateFailed(
+            f"the gate all-reduce did not finish within {timeout_s:g} s: {err}"
+        ) from err
     if completed is False:
         raise GateFailed(f"the gate all-reduce did not finish within {timeout_s:g} s")
     expected = world * (world + 1) / 2
     wrong = int((values != expected).sum())
     if wrong:
-        raise GateFailed(f"the gate all-reduce returned {wrong} wrong values (expected {expected:g}): data corruption")
+        raise GateFailed(
+            f"the gate all-reduce returned {wrong} wrong values (expected {expected:g}): data corruption"
+        )
 
 
 def sequence_number() -> str:
@@ -63,14 +69,21 @@ def sequence_number() -> str:
 def as_collective_failure(err: BaseException, phase: str) -> CollectiveFailure | None:
     """A communication failure described for the report; None for any other error."""
     if isinstance(err, GateFailed):
-        return CollectiveFailure("ALLREDUCE", sequence_number(), "gate right after init_process_group", str(err))
-    if not isinstance(err, RuntimeError) or not COMM_FAILURE.search(str(err)):
+        return CollectiveFailure(
+            "ALLREDUCE", sequence_number(), "gate right after init_process_group", str(err)
+        )
+    communication = isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and COMM_FAILURE.search(str(err))
+    )
+    if not communication:
         return None
     detail = str(err).strip().splitlines()[0][:300]
     work = NCCL_WORK.search(str(err))
     if work:
         return CollectiveFailure(work.group(2), work.group(1), phase, detail)
-    return CollectiveFailure("ALLREDUCE (most likely DDP's gradient buckets)", sequence_number(), phase, detail)
+    return CollectiveFailure(
+        "ALLREDUCE (most likely DDP's gradient buckets)", sequence_number(), phase, detail
+    )
 
 
 def claim_report(run_dir: Path) -> bool:

@@ -75,10 +75,17 @@ class NodeFacts:
 
     def summary(self) -> str:
         links = ", ".join(f"GPU{i}-GPU{j} NVLink" for i, j in sorted(self.nvlink_pairs))
-        tests = ", ".join(f"GPU{i}-GPU{j} PCIe P2P {r}" for (i, j), r in sorted(self.p2p_tests.items()))
+        tests = ", ".join(
+            f"GPU{i}-GPU{j} PCIe P2P {r}" for (i, j), r in sorted(self.p2p_tests.items())
+        )
         shm = f"{self.shm_bytes / MIB:.0f} MiB" if self.shm_bytes is not None else "unknown"
         nodes = "several nodes" if self.multi_node else "single node"
-        parts = [f"{self.gpu_count} GPU(s)", links, tests, f"{self.ib_active_ports} active IB port(s)"]
+        parts = [
+            f"{self.gpu_count} GPU(s)",
+            links,
+            tests,
+            f"{self.ib_active_ports} active IB port(s)",
+        ]
         parts += [f"/dev/shm {shm}", nodes, f"probe took {self.probe_s:.2f} s"]
         return "; ".join(part for part in parts if part)
 
@@ -172,7 +179,11 @@ def p2p_choices(facts: NodeFacts) -> list[AutoChoice]:
         return [AutoChoice("NCCL_P2P_DISABLE", None, "auto: " + "; ".join(evidence) + ", P2P kept")]
     evidence.append("PCIe P2P copy " + ", ".join(broken))
     if nvlink:
-        return [AutoChoice("NCCL_P2P_LEVEL", "NVL", "auto: " + "; ".join(evidence) + ", P2P over NVLink only")]
+        return [
+            AutoChoice(
+                "NCCL_P2P_LEVEL", "NVL", "auto: " + "; ".join(evidence) + ", P2P over NVLink only"
+            )
+        ]
     return [AutoChoice("NCCL_P2P_DISABLE", "1", "auto: " + "; ".join(evidence) + ", P2P off")]
 
 
@@ -181,7 +192,9 @@ def ib_choice(facts: NodeFacts) -> AutoChoice:
         return AutoChoice("NCCL_IB_DISABLE", "1", "auto: single node, InfiniBand unused")
     if facts.ib_active_ports == 0:
         return AutoChoice("NCCL_IB_DISABLE", "1", "auto: several nodes, no active InfiniBand port")
-    return AutoChoice("NCCL_IB_DISABLE", None, f"auto: several nodes, {facts.ib_active_ports} active IB port(s)")
+    return AutoChoice(
+        "NCCL_IB_DISABLE", None, f"auto: several nodes, {facts.ib_active_ports} active IB port(s)"
+    )
 
 
 def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
@@ -193,7 +206,11 @@ def fail_fast_env(trace_prefix: str, buffer_var: str = "TORCH_FR_BUFFER_SIZE") -
     """Flight-recorder defaults: each rank keeps its last collectives and dumps them to
     trace_prefix<rank> when one times out. PyTorch before 2.11 names the buffer
     TORCH_NCCL_TRACE_BUFFER_SIZE."""
-    return {buffer_var: "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace_prefix}
+    return {
+        buffer_var: "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace_prefix,
+    }
 
 
 def decide(
@@ -208,7 +225,9 @@ def decide(
     `defaults` sit below the environment; `explicit` ({var: (value, source)}) ranks with the
     config's own fields, above it.
     """
-    settings = {var: Setting(value, "flight-recorder default") for var, value in (defaults or {}).items()}
+    settings = {
+        var: Setting(value, "flight-recorder default") for var, value in (defaults or {}).items()
+    }
     warnings = []
     if nccl_cfg.auto and facts is not None:
         for choice in auto_choices(facts):
@@ -216,7 +235,11 @@ def decide(
     for var, value in inherited.items():
         if TRACKED_VAR.fullmatch(var):
             earlier = settings.get(var)
-            overruled = f" (over {earlier.source} -> {earlier.value})" if earlier and earlier.value != value else ""
+            overruled = (
+                f" (over {earlier.source} -> {earlier.value})"
+                if earlier and earlier.value != value
+                else ""
+            )
             settings[var] = Setting(value, f"environment{overruled}")
     for var, (value, source) in {**config_env(nccl_cfg), **(explicit or {})}.items():
         before = inherited.get(var)

@@ -60,7 +60,9 @@ def nvidia_smi_topology(timeout_s: float = 10.0) -> str:
     if shutil.which("nvidia-smi") is None:
         return ""
     try:
-        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=timeout_s
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout if done.returncode == 0 else ""
@@ -85,16 +87,22 @@ def nvml_topology(gpu_count: int) -> Topology | None:
         return None
     try:
         handles = [
-            pynvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(ident)
+            pynvml.nvmlDeviceGetHandleByIndex(int(ident))
+            if ident.isdigit()
+            else pynvml.nvmlDeviceGetHandleByUUID(ident)
             for ident in visible_device_ids(gpu_count)
         ]
         nvlink, claimed = set(), {}
         for i in range(len(handles)):
             for j in range(i + 1, len(handles)):
-                status = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], NVML_P2P_CAPS_INDEX_NVLINK)
+                status = pynvml.nvmlDeviceGetP2PStatus(
+                    handles[i], handles[j], NVML_P2P_CAPS_INDEX_NVLINK
+                )
                 if status == NVML_P2P_STATUS_OK:
                     nvlink.add((i, j))
-                read = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], NVML_P2P_CAPS_INDEX_READ)
+                read = pynvml.nvmlDeviceGetP2PStatus(
+                    handles[i], handles[j], NVML_P2P_CAPS_INDEX_READ
+                )
                 claimed[(i, j)] = read == NVML_P2P_STATUS_OK
         return Topology(frozenset(nvlink), claimed, "nvml")
     except pynvml.NVMLError:
@@ -115,7 +123,7 @@ def topology(gpu_count: int) -> Topology:
 
 
 def peer_copy_command(src: int, dst: int) -> list[str]:
-    return [sys.executable, "-m", "{{ cookiecutter.package }}.probe", "--peer-copy", str(src), str(dst)]
+    return [sys.executable, "-m", __name__, "--peer-copy", str(src), str(dst)]
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,10 @@ class Outcome:
 
 
 def run_with_hard_timeout(
-    command: Sequence[str], timeout_s: float, env: dict[str, str] | None = None, capture: bool = False
+    command: Sequence[str],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    capture: bool = False,
 ) -> Outcome:
     """Run `command` in its own process group; at the timeout, kill the group (a hung CUDA or
     NCCL process may have children of its own)."""
@@ -151,7 +162,9 @@ def peer_copy_tests(
     if not pairs:
         return {}
     with ThreadPoolExecutor(max_workers=min(8, len(pairs))) as pool:
-        results = pool.map(lambda pair: run_with_hard_timeout(command(*pair), timeout_s).status, pairs)
+        results = pool.map(
+            lambda pair: run_with_hard_timeout(command(*pair), timeout_s).status, pairs
+        )
         return dict(zip(pairs, results, strict=True))
 
 
@@ -197,10 +210,15 @@ def probe_node(
     facts = basic_facts(count)
     gpus = facts.gpu_count
     links = topology(gpus)
-    pcie = [(i, j) for i in range(gpus) for j in range(i + 1, gpus) if (i, j) not in links.nvlink_pairs]
+    pcie = [
+        (i, j) for i in range(gpus) for j in range(i + 1, gpus) if (i, j) not in links.nvlink_pairs
+    ]
     tests = peer_copy_tests(pcie, timeout_s, command) if facts.local_world_size > 1 else {}
     return replace(
-        facts, nvlink_pairs=links.nvlink_pairs, p2p_tests=tests, probe_s=round(time.perf_counter() - started, 3)
+        facts,
+        nvlink_pairs=links.nvlink_pairs,
+        p2p_tests=tests,
+        probe_s=round(time.perf_counter() - started, 3),
     )
 
 
@@ -223,7 +241,9 @@ def shared_node_facts(
     deadline = time.monotonic() + wait_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"local rank 0 published no node probe at {path} within {wait_s:.0f} s")
+            raise TimeoutError(
+                f"local rank 0 published no node probe at {path} within {wait_s:.0f} s"
+            )
         time.sleep(0.05)
     return NodeFacts.from_json(path.read_text())
 
@@ -242,7 +262,9 @@ def peer_copy(src: int, dst: int) -> bool:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--peer-copy", nargs=2, type=int, metavar=("SRC", "DST"), required=True)
     args = parser.parse_args()
     sys.exit(0 if peer_copy(*args.peer_copy) else 1)

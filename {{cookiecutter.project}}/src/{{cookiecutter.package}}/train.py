@@ -50,7 +50,9 @@ def apply_nccl_env(cfg: TrainConfig, profile: str, run_dir: Path) -> nccl.Decisi
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     facts = probe.shared_node_facts(run_dir, local_rank) if cfg.nccl.auto else probe.basic_facts()
     (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
-    recorder = nccl.fail_fast_env(str(run_dir / "nccl" / "trace_rank_"), flight_recorder_buffer_var())
+    recorder = nccl.fail_fast_env(
+        str(run_dir / "nccl" / "trace_rank_"), flight_recorder_buffer_var()
+    )
     explicit = {}
     if cfg.dist.async_error_handling is not None:
         value = str(cfg.dist.async_error_handling)
@@ -70,7 +72,11 @@ def apply_nccl_env(cfg: TrainConfig, profile: str, run_dir: Path) -> nccl.Decisi
 
 
 def report_collective_failure(
-    failure: failfast.CollectiveFailure, cfg: TrainConfig, decision: nccl.Decision, profile: str, run_dir: Path
+    failure: failfast.CollectiveFailure,
+    cfg: TrainConfig,
+    decision: nccl.Decision,
+    profile: str,
+    run_dir: Path,
 ) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if failfast.claim_report(run_dir):
@@ -180,7 +186,9 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     device = select_device(cfg, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
-    standalone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    standalone = (
+        {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    )
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=cfg.dist.timeout_s),
@@ -191,7 +199,12 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     try:
         failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
         if rank == 0:
-            log.info("world size %d, backend %s, gate all-reduce passed, run dir %s", world_size, backend, run_dir)
+            log.info(
+                "world size %d, backend %s, gate all-reduce passed, run dir %s",
+                world_size,
+                backend,
+                run_dir,
+            )
         train(cfg, device, run_dir, rank, world_size)
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()

@@ -1,0 +1,61 @@
+"""Fail fast, with a remedy: a hung rank ends every process promptly and explains what to try."""
+
+import pytest
+import torch.distributed as dist
+from conftest import PACKAGE, hang_one_rank
+
+from {{ cookiecutter.package }} import failfast, nccl
+from {{ cookiecutter.package }}.config import NcclConfig
+
+NCCL_TIMEOUT = (
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+    "NumelIn=1048576, NumelOut=1048576, Timeout(ms)=600000) ran for 600013 milliseconds before timing out."
+)
+
+
+def test_nccl_watchdog_message_names_the_collective_and_sequence():
+    failure = failfast.as_collective_failure(dist.DistBackendError(NCCL_TIMEOUT), phase="training")
+    assert (failure.collective, failure.sequence) == ("ALLREDUCE", "1")
+
+
+@pytest.mark.parametrize(
+    "err", [ValueError("bad shape"), RuntimeError("CUDA out of memory. Tried to allocate")]
+)
+def test_other_errors_are_not_dressed_up_as_collective_failures(err):
+    assert failfast.as_collective_failure(err, phase="training") is None
+
+
+def test_remedy_block_lists_env_causes_and_next_commands_in_order():
+    decision = nccl.decide(NcclConfig(p2p_disable=True), None, {"NCCL_DEBUG": "WARN"})
+    failure = failfast.as_collective_failure(RuntimeError(NCCL_TIMEOUT), phase="training")
+    block = failfast.remedy_block(
+        failure, rank=0, timeout_s=180, decision=decision, profile="pcie_safe", package=PACKAGE, nproc=2,
+        trace_prefix="/runs/x/nccl/trace_rank_",
+    )  # fmt: skip
+    assert "ALLREDUCE, sequence number 1" in block
+    assert "NCCL_P2P_DISABLE = 1       config nccl.p2p_disable" in block
+    assert "NCCL_DEBUG       = WARN    environment" in block
+    causes = [
+        block.index(word)
+        for word in ("peer-to-peer over PCIe", "/dev/shm", "InfiniBand", "interface")
+    ]
+    assert causes == sorted(causes)
+    assert f"python -m {PACKAGE}.doctor" in block
+    assert f"-m {PACKAGE}.train nccl=pcie_safe" in block
+    assert "NCCL_DEBUG=INFO" in block
+
+
+def test_only_the_first_failing_process_prints_the_block(tmp_path):
+    assert failfast.claim_report(tmp_path) is True
+    assert failfast.claim_report(tmp_path) is False
+
+
+def test_a_hung_rank_ends_every_process_within_the_timeout_with_the_remedy(tmp_path):
+    timeout_s = 10
+    code, output, seconds = hang_one_rank(tmp_path, timeout_s=timeout_s)
+    assert code != 0
+    assert seconds <= timeout_s + 60, output[-3000:]
+    assert output.count("A collective failed on rank 0") == 1, output[-3000:]
+    assert "Likely causes, most likely first" in output
+    assert f"python -m {PACKAGE}.doctor" in output
+    assert f"exitcode  : {failfast.EXIT_COLLECTIVE_FAILED}" in output  # rank 0's own exit

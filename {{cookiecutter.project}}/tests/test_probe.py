@@ -1,0 +1,79 @@
+"""The node probe: hard timeouts on hanging peer copies, and one probe shared by a node's ranks."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import PACKAGE
+
+from {{ cookiecutter.package }} import nccl, probe
+from {{ cookiecutter.package }}.config import NcclConfig
+
+SLEEPS = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def test_a_hanging_command_is_killed_at_its_timeout():
+    started = time.monotonic()
+    assert probe.run_with_hard_timeout(SLEEPS, timeout_s=1).status == "hang"
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, "ok"), (1, "failed")])
+def test_exit_status_gives_ok_or_failed(code, status):
+    assert (
+        probe.run_with_hard_timeout([sys.executable, "-c", f"raise SystemExit({code})"], 5).status
+        == status
+    )
+
+
+def test_a_pcie_pair_whose_peer_copy_hangs_loses_p2p(monkeypatch):
+    """Two GPUs with no NVLink, and a peer-copy probe that sleeps past its timeout."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(probe, "topology", lambda gpus: probe.Topology(frozenset(), {}, "none"))
+    started = time.monotonic()
+    facts = probe.probe_node(timeout_s=1, command=lambda i, j: SLEEPS, count=lambda: 2)
+    assert time.monotonic() - started < 5
+    assert facts.p2p_tests == {(0, 1): "hang"}
+    env = nccl.decide(NcclConfig(auto=True), facts, inherited={}).env
+    assert env["NCCL_P2P_DISABLE"] == "1"
+
+
+def test_nvlink_pairs_are_not_copy_tested(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(
+        probe, "topology", lambda gpus: probe.Topology(frozenset({(0, 1)}), {}, "nvml")
+    )
+    facts = probe.probe_node(
+        command=lambda i, j: pytest.fail("NVLink pair was copy-tested"), count=lambda: 2
+    )
+    assert facts.p2p_tests == {} and facts.nvlink_pairs == {(0, 1)}
+
+
+def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
+    reader = subprocess.Popen(
+        [sys.executable, "-c",
+         f"from pathlib import Path; from {PACKAGE}.probe import shared_node_facts; "
+         f"print(shared_node_facts(Path({str(tmp_path)!r}), local_rank=1, wait_s=60).to_json())"],
+        stdout=subprocess.PIPE, text=True, env=os.environ,
+    )  # fmt: skip
+    time.sleep(1)  # the reader is waiting before anything is published
+    published = nccl.NodeFacts(2, frozenset(), 0, 2, 2, 2**30, {(0, 1): "hang"}, 0.5)
+    calls = []
+    facts = probe.shared_node_facts(
+        tmp_path, local_rank=0, probe=lambda: calls.append(1) or published
+    )
+    output, _ = reader.communicate(timeout=60)
+    assert calls == [1] and facts == published
+    assert nccl.NodeFacts.from_json(output) == published
+    assert [p.name for p in (tmp_path / "nccl").iterdir()] == [
+        f"probe-{os.uname().nodename}-test-run-0.json"
+    ]
+
+
+def test_a_reader_gives_up_when_nothing_is_published(tmp_path):
+    with pytest.raises(TimeoutError, match="local rank 0 published no node probe"):
+        probe.shared_node_facts(tmp_path, local_rank=1, wait_s=0.3)
