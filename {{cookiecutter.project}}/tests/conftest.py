@@ -70,24 +70,24 @@ def hang_one_rank(
         command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    stopped = None
+    workers = []
     try:
         deadline = time.monotonic() + 180
         while not (run_dir / "metrics.jsonl").exists():
             assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        stopped = worker_pid(launcher.pid, rank=1)
-        assert stopped is not None, "rank 1 not found"
-        os.kill(stopped, signal.SIGSTOP)
+        workers = [worker_pid(launcher.pid, rank) for rank in (0, 1)]
+        assert None not in workers, f"workers not found: {workers}"
+        os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         output, _ = launcher.communicate(timeout=timeout_s + 90)
         return launcher.returncode, output, time.monotonic() - stopped_at
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-        if stopped is not None and Path(f"/proc/{stopped}").exists():
-            os.kill(stopped, signal.SIGKILL)
+        # Workers may sit in sessions of their own and keep the output pipe open: end them first.
+        for pid in [*workers, launcher.pid]:
+            if pid is not None and Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        launcher.communicate(timeout=30)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

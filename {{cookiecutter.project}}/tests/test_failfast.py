@@ -1,5 +1,7 @@
 """Fail fast, with a remedy: a hung rank ends every process promptly and explains what to try."""
 
+import time
+
 import pytest
 import torch.distributed as dist
 from conftest import PACKAGE, hang_one_rank
@@ -59,3 +61,16 @@ def test_a_hung_rank_ends_every_process_within_the_timeout_with_the_remedy(tmp_p
     assert "Likely causes, most likely first" in output
     assert f"python -m {PACKAGE}.doctor" in output
     assert f"exitcode  : {failfast.EXIT_COLLECTIVE_FAILED}" in output  # rank 0's own exit
+
+
+def test_stall_watchdog_reports_only_when_progress_stops():
+    stalls = []
+    watchdog = failfast.StallWatchdog(limit_s=1.5, on_stall=stalls.append)
+    for _ in range(5):  # 2.5 s of regular progress: no report
+        time.sleep(0.5)
+        watchdog.beat()
+    assert stalls == []
+    time.sleep(3)
+    (stall,) = stalls
+    assert "no step finished for 1.5 s" in stall.phase
+    watchdog.stop()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from {{ cookiecutter.package }}.nccl import Decision
 
 EXIT_COLLECTIVE_FAILED = 3
+STALL_MARGIN_S = 30  # past dist.timeout_s, when the stall watchdog acts if nothing else did
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")
 COMM_FAILURE = re.compile(
     r"timed out|timeout|watchdog|connection closed|connection reset|nccl error|ncclRemoteError|"
@@ -57,6 +61,40 @@ def gate(device: torch.device, timeout_s: float) -> None:
         raise GateFailed(
             f"the gate all-reduce returned {wrong} wrong values (expected {expected:g}): data corruption"
         )
+
+
+class StallWatchdog:
+    """Calls on_stall(failure) from a daemon thread when beat() has not been called for limit_s.
+
+    A collective on a wedged communicator can neither finish nor raise; this makes sure the
+    process still ends, with the remedy, shortly after dist.timeout_s.
+    """
+
+    def __init__(self, limit_s: float, on_stall: Callable[[CollectiveFailure], None]) -> None:
+        self.limit_s = limit_s
+        self.on_stall = on_stall
+        self.last_beat = time.monotonic()
+        self.stopped = threading.Event()
+        threading.Thread(target=self.watch, name="stall-watchdog", daemon=True).start()
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def watch(self) -> None:
+        while not self.stopped.wait(timeout=1.0):
+            if time.monotonic() - self.last_beat > self.limit_s:
+                self.on_stall(
+                    CollectiveFailure(
+                        "a collective (most likely DDP's gradient ALLREDUCE)",
+                        sequence_number(),
+                        f"training: no step finished for {self.limit_s:g} s",
+                        "the collective neither finished nor raised an error",
+                    )
+                )
+                return
 
 
 def sequence_number() -> str:

@@ -15,8 +15,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
@@ -117,7 +119,12 @@ def log_metrics(run_dir: Path, row: dict) -> None:
 
 
 def train(
-    cfg: TrainConfig, device: torch.device, run_dir: Path, rank: int, world_size: int
+    cfg: TrainConfig,
+    device: torch.device,
+    run_dir: Path,
+    rank: int,
+    world_size: int,
+    progress: Callable[[], None] = lambda: None,
 ) -> None:
     torch.manual_seed(cfg.trainer.seed)
     dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
@@ -151,6 +158,7 @@ def train(
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
             step += 1
+            progress()
 
             window[0] += loss.detach().float() * len(labels)
             window[1] += (logits.argmax(dim=1) == labels).sum()
@@ -195,7 +203,15 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
         device_id=device if device.type == "cuda" else None,  # make the NCCL communicator now
         **standalone,
     )
-    failed = None
+
+    def fail(failure: failfast.CollectiveFailure) -> NoReturn:
+        report_collective_failure(failure, cfg, decision, nccl_profile, run_dir)
+        logging.shutdown()
+        # No destroy_process_group here: on a wedged communicator it can hang for good.
+        os._exit(failfast.EXIT_COLLECTIVE_FAILED)
+
+    # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
+    watchdog = failfast.StallWatchdog(cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail)
     try:
         failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
         if rank == 0:
@@ -205,18 +221,18 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
                 backend,
                 run_dir,
             )
-        train(cfg, device, run_dir, rank, world_size)
+        train(cfg, device, run_dir, rank, world_size, progress=watchdog.beat)
+        watchdog.stop()
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()
     except Exception as err:
-        failed = failfast.as_collective_failure(err, phase="training")
-        if failed is None:
+        failure = failfast.as_collective_failure(err, phase="training")
+        if failure is None:
             raise
-        report_collective_failure(failed, cfg, decision, nccl_profile, run_dir)
+        fail(failure)
     finally:
+        watchdog.stop()
         dist.destroy_process_group()
-    if failed:
-        sys.exit(failfast.EXIT_COLLECTIVE_FAILED)
 
 
 register_configs()  # the schema and resolvers must exist before Hydra composes
