@@ -205,6 +205,13 @@ def render(report: dict) -> str:
     if report.get("pin"):
         lines += ["", f"Recommended: nccl={report['recommended']}, the fastest profile that works here. Pin it:",
                   f"  {report['pin']}"]  # fmt: skip
+        results = {
+            r["profile"]: r["busbw_gbps"] for r in report["profiles"] if r["result"] == "works"
+        }
+        largest = report["sizes"][-1]
+        if report["recommended"] != "auto" and "auto" in results:
+            share = results["auto"][largest] / results[report["recommended"]][largest]
+            lines.append(f"  (nccl=auto, the default, reaches {share:.0%} of it at {largest})")
     elif report["recommended"]:
         lines += ["", "gloo works on CPU."]
     else:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from {{ cookiecutter.package }}.nccl import Decision
 
 EXIT_COLLECTIVE_FAILED = 3
-STALL_MARGIN_S = 30  # past dist.timeout_s, when the stall watchdog acts if nothing else did
+STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL has not
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")
 COMM_FAILURE = re.compile(
     r"timed out|timeout|watchdog|connection closed|connection reset|nccl error|ncclRemoteError|"

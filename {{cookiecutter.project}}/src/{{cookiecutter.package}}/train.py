@@ -222,7 +222,6 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
                 run_dir,
             )
         train(cfg, device, run_dir, rank, world_size, progress=watchdog.beat)
-        watchdog.stop()
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()
     except Exception as err:
