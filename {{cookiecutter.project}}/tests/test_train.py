@@ -109,3 +109,13 @@ def test_out_of_range_value_stops_in_one_line_and_leaves_nothing(tmp_path, recor
     assert errors == ["config error: trainer.max_steps=-1: must be at least 1"]
     assert list(record_nccl_env.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "records"]  # no outputs/
+
+
+def test_auto_gives_every_rank_the_same_env_from_one_probe(tmp_path, record_nccl_env):
+    done = torchrun(tmp_path, "nccl=auto", "trainer.max_steps=2", "hydra.run.dir=run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = recorded(record_nccl_env)
+    assert rank0 == rank1 and rank0["NCCL_IB_DISABLE"] == "1"
+    # Written once, by local rank 0:
+    assert len(list((tmp_path / "run" / "nccl").glob("probe-*.json"))) == 1
+    assert "node probe:" in (tmp_path / "run" / "train.log").read_text()
