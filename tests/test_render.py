@@ -39,6 +39,8 @@ EXPECTED_FILES = {
     "configs/trainer/default.yaml",
     "src/{package}/__init__.py",
     "src/{package}/allreduce.py",
+    "src/{package}/check.py",
+    "src/{package}/checkpoint.py",
     "src/{package}/config.py",
     "src/{package}/data.py",
     "src/{package}/doctor.py",
@@ -55,6 +57,7 @@ EXPECTED_FILES = {
     "tests/test_gpu.py",
     "tests/test_nccl.py",
     "tests/test_probe.py",
+    "tests/test_resume.py",
     "tests/test_project_files.py",
     "tests/test_train.py",
 }

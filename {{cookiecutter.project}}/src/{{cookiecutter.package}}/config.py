@@ -2,7 +2,7 @@
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
 fails at compose time, naming the key. Checks that types cannot express live in __post_init__ and
-check_devices; ValidateBeforeRun runs them before Hydra creates the run dir.
+check_devices; check.py runs them all before Hydra creates the run dir.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any, Dict, NoReturn, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package }} import nccl
 
@@ -72,14 +71,23 @@ class DataConfig:
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
 
 
+class Precision(Enum):
+    bf16 = "bf16"  # bf16 autocast on GPU
+    fp16 = "fp16"  # fp16 autocast with a grad scaler on GPU
+    fp32 = "fp32"
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
     lr: float = 3e-3
+    warmup_steps: int = 20
     weight_decay: float = 0.01
     log_every: int = 25
     seed: int = 0
-    bf16: bool = True
+    precision: Precision = Precision.bf16
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
@@ -88,6 +96,21 @@ class TrainerConfig:
             self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be 0 or more"
         )
         require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
+        require(
+            self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "must be 0 or more"
+        )
+        require(
+            self.checkpoint_every >= 1,
+            "trainer.checkpoint_every",
+            self.checkpoint_every,
+            "must be at least 1",
+        )
+        require(
+            self.keep_checkpoints >= 2,
+            "trainer.keep_checkpoints",
+            self.keep_checkpoints,
+            "must be at least 2",
+        )
 
 
 @dataclass
@@ -175,19 +198,6 @@ def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
     else:
         time.sleep(grace_s)
     sys.exit(2)
-
-
-class ValidateBeforeRun(Callback):
-    """Hydra calls this before it creates the run dir, so a bad value leaves nothing behind."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        job_config = config.copy()
-        with open_dict(job_config):
-            del job_config["hydra"]
-        try:
-            to_train_config(job_config)
-        except ConfigError as err:
-            exit_with_error(f"config error: {err}")
 
 
 def rank_zero_only(value: Any) -> Any:

@@ -27,16 +27,17 @@ import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from {{ cookiecutter.package }} import failfast, nccl, probe
+from {{ cookiecutter.package }} import check, checkpoint, failfast, nccl, probe
 from {{ cookiecutter.package }}.config import (
+    Precision,
     TrainConfig,
     exit_with_error,
     register_configs,
     uses_cuda,
 )
-from {{ cookiecutter.package }}.data import synthetic_dataset
+from {{ cookiecutter.package }}.data import ResumableSampler, synthetic_dataset
 from {{ cookiecutter.package }}.model import build_model
 
 log = logging.getLogger(__name__)
@@ -118,17 +119,26 @@ def log_metrics(run_dir: Path, row: dict) -> None:
         out.write(json.dumps(row) + "\n")
 
 
+AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+
 def train(
     cfg: TrainConfig,
     device: torch.device,
     run_dir: Path,
-    rank: int,
-    world_size: int,
+    control: dist.ProcessGroup | None,
     progress: Callable[[], None] = lambda: None,
-) -> None:
+) -> bool:
+    """Train to cfg.trainer.max_steps, resuming from the run dir's newest checkpoint.
+
+    Returns True if SIGTERM stopped it early (after a checkpoint at that step).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.trainer.seed)
     dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.trainer.seed, drop_last=True)
+    sampler = ResumableSampler(
+        dataset, batch_size=cfg.data.batch_size, shuffle=True, seed=cfg.trainer.seed, drop_last=True
+    )
     loader = DataLoader(
         dataset,
         batch_size=cfg.data.batch_size,
@@ -137,27 +147,75 @@ def train(
         pin_memory=device.type == "cuda",
         drop_last=True,
     )
-    model = DDP(build_model(cfg.model, cfg.data).to(device))
+    module = build_model(cfg.model, cfg.data).to(device)
+    model = DDP(module)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
     )
-    use_bf16 = device.type == "cuda" and cfg.trainer.bf16
+    warmup = max(1, cfg.trainer.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
+    )
+    on_gpu = device.type == "cuda"
+    autocast_dtype = AUTOCAST.get(cfg.trainer.precision) if on_gpu else None
+    scaler = torch.amp.GradScaler(
+        device.type, enabled=on_gpu and cfg.trainer.precision is Precision.fp16
+    )
+    preemption = checkpoint.Preemption(control)
 
-    step, epoch = 0, 0
+    position = checkpoint.Position()
+    resumed = checkpoint.choose_and_load(run_dir, control)
+    if resumed:
+        module.load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        scaler.load_state_dict(resumed["scaler"])
+        if len(resumed["rng"]) == world_size:
+            checkpoint.set_rng_state(resumed["rng"][rank])
+        position = checkpoint.Position(**resumed["data"])
+        if rank == 0:
+            log.info(
+                "resumed from the checkpoint of step %d (epoch %d, batch %d)",
+                *vars(position).values(),
+            )
+
+    def save(position: checkpoint.Position) -> None:
+        rng = checkpoint.gather_rng_states(control)  # a collective: every rank takes part
+        if rank == 0:
+            state = {
+                "step": position.step,
+                "model": module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": rng,
+                "data": vars(position),
+                "config": OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
+                "world_size": world_size,
+            }
+            path = checkpoint.save(run_dir, state, keep=cfg.trainer.keep_checkpoints)
+            log.info("checkpoint %s", path.relative_to(run_dir))
+
+    step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
     started = time.perf_counter()
     while step < cfg.trainer.max_steps:
-        sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
+        sampler.set_position(epoch, batch_in_epoch)
         for inputs, labels in loader:
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            with torch.autocast(
+                device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+            ):
                 logits = model(inputs)
                 loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces the gradients here
-            optimizer.step()
+            scaler.scale(loss).backward()  # DDP all-reduces the gradients here
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
             step += 1
+            batch_in_epoch += 1
             progress()
 
             window[0] += loss.detach().float() * len(labels)
@@ -180,9 +238,21 @@ def train(
                     log_metrics(run_dir, row)
                 window.zero_()
                 started = now
+            here = checkpoint.Position(step, epoch, batch_in_epoch)
+            if preemption.agreed():
+                save(here)
+                if rank == 0:
+                    log.warning(
+                        "SIGTERM: stopped at step %d with a checkpoint; relaunch to resume", step
+                    )
+                return True
+            if step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps:
+                save(here)
             if step == cfg.trainer.max_steps:
                 break
-        epoch += 1
+        else:  # the epoch ran out
+            epoch, batch_in_epoch = epoch + 1, 0
+    return False
 
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
@@ -221,7 +291,9 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
                 backend,
                 run_dir,
             )
-        train(cfg, device, run_dir, rank, world_size, progress=watchdog.beat)
+        # A CPU group for control messages (stop? which checkpoint?): no GPU synchronisation.
+        control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        preempted = train(cfg, device, run_dir, control, progress=watchdog.beat)
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()
     except Exception as err:
@@ -232,6 +304,8 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
     finally:
         watchdog.stop()
         dist.destroy_process_group()
+    if preempted:
+        sys.exit(checkpoint.EXIT_PREEMPTED)
 
 
 register_configs()  # the schema and resolvers must exist before Hydra composes
@@ -243,11 +317,21 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:
-    """Hydra has composed and validated the config (config.ValidateBeforeRun)."""
+    """Hydra has composed the config; cli() has checked it."""
     hydra_cfg = HydraConfig.get()
     config: TrainConfig = OmegaConf.to_object(cfg)
     main_worker(config, Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"])
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Check the config first: a bad value stops every rank in one line, before any run dir."""
+    overrides = sys.argv[1:]
+    if not any(arg.startswith("-") for arg in overrides):  # --cfg, --help, -m: Hydra's own modes
+        problem = check.config_problem(overrides)
+        if problem:
+            exit_with_error(f"config error: {problem}")
     main()
+
+
+if __name__ == "__main__":
+    cli()

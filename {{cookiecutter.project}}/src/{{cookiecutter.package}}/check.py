@@ -1,0 +1,87 @@
+"""Check a training config before anything starts, and explain a bad one in one line.
+
+    python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
+
+train.py runs the same check before Hydra starts, so a bad value stops every rank before any run
+dir or process group exists. The Kubernetes Job runs it as an init container: its exit code 2 is
+the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from {{ cookiecutter.package }}.config import ConfigError, TrainConfig, register_configs, to_train_config
+
+EXIT_CONFIG_ERROR = 2
+
+
+def schema_keys(full_key: str) -> list[str]:
+    """The keys allowed beside `full_key`, read from the schema."""
+    node: type = TrainConfig
+    for part in full_key.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields or not dataclasses.is_dataclass(fields[part].default_factory):
+            return []
+        node = fields[part].default_factory
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def one_line(err: Exception) -> str:
+    """Hydra's and OmegaConf's multi-line messages, as one line that names the key."""
+    cause = err.__cause__
+    full_key = getattr(cause, "full_key", None)
+    if full_key:
+        reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
+        if "not in" in reason:
+            return f"{full_key}: no such key; allowed: {', '.join(schema_keys(full_key))}"
+        return f"{full_key}: {reason}"
+    text = str(err)
+    group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+    if group:
+        options = re.findall(r"^\t(\S+)$", text, re.MULTILINE)
+        return f"{group.group(1)}={group.group(2)}: no such option; allowed: {', '.join(options)}"
+    return " ".join(text.split())
+
+
+def config_problem(overrides: list[str]) -> str | None:
+    """None if the config composed with `overrides` is valid, else one line naming the key."""
+    register_configs()
+    try:
+        with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+        to_train_config(cfg)
+    except ConfigError as err:
+        return str(err)
+    except (HydraException, OmegaConfBaseException) as err:
+        return one_line(err)
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nproc-per-node", type=int, help="check that this many GPUs are visible")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
+    args = parser.parse_args()
+    if args.nproc_per_node:
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc_per_node)
+    problem = config_problem(args.overrides)
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print("config ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Lose nothing: checkpoints, resume (bit for bit), SIGTERM from Kubernetes, a rank SIGKILLed."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import PACKAGE, torchrun, worker_pid
+
+from {{ cookiecutter.package }} import checkpoint
+
+
+def final_model(run_dir, step):
+    return torch.load(run_dir / "checkpoints" / f"step_{step:09d}.pt")["model"]
+
+
+def max_abs_diff(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_checkpoints_hold_what_a_resume_needs_and_only_the_newest_are_kept(tmp_path):
+    done = torchrun(tmp_path, "trainer.max_steps=50", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=2",
+                    "hydra.run.dir=run")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    paths = checkpoint.checkpoint_paths(tmp_path / "run")
+    assert [p.name for p in paths] == ["step_000000040.pt", "step_000000050.pt"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
+    state = torch.load(paths[-1])  # plain torch.load, safe (weights_only) by default
+    assert state["step"] == 50 and state["data"] == {"step": 50, "epoch": 0, "batch_in_epoch": 50}
+    assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= state.keys()
+    assert len(state["rng"]) == 2 and not any(k.startswith("module.") for k in state["model"])
+    assert state["config"]["trainer"]["max_steps"] == 50
+
+
+def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path):
+    """64 steps make an epoch here: stopping at 37 and going on to 100 crosses an epoch edge."""
+    straight = torchrun(tmp_path, "trainer.max_steps=100", "hydra.run.dir=straight")
+    first = torchrun(tmp_path, "trainer.max_steps=37", "hydra.run.dir=resumed")
+    second = torchrun(tmp_path, "trainer.max_steps=100", "hydra.run.dir=resumed")
+    for done in (straight, first, second):
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from the checkpoint of step 37 (epoch 0, batch 37)" in second.stdout
+    diff = max_abs_diff(
+        final_model(tmp_path / "straight", 100), final_model(tmp_path / "resumed", 100)
+    )
+    assert diff <= 1e-6
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
+    assert (
+        torchrun(
+            tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "hydra.run.dir=run"
+        ).returncode
+        == 0
+    )
+    newest = tmp_path / "run" / "checkpoints" / "step_000000020.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a node dying mid-write
+    done = torchrun(
+        tmp_path, "trainer.max_steps=30", "trainer.checkpoint_every=10", "hydra.run.dir=run"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipping unreadable checkpoint step_000000020.pt" in done.stdout + done.stderr
+    assert "resumed from the checkpoint of step 10" in done.stdout
+
+
+def launch(tmp_path, *overrides: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", f"{PACKAGE}.train", "hydra.run.dir=run", "trainer.log_every=5", *overrides]  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_metrics(process: subprocess.Popen, run_dir) -> None:
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+
+
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_there(tmp_path):
+    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=100000")
+    wait_for_metrics(process, tmp_path / "run")
+    process.send_signal(signal.SIGTERM)  # what Kubernetes sends to the container's PID 1
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode != 0  # torchrun reports a signalled run as failed: the Job retries it
+    stopped = re.search(r"SIGTERM: stopped at step (\d+) with a checkpoint", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert [p.name for p in checkpoint.checkpoint_paths(tmp_path / "run")] == [
+        f"step_{step:09d}.pt"
+    ]
+    resumed = torchrun(tmp_path, f"trainer.max_steps={step + 5}", "hydra.run.dir=run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {step}" in resumed.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_with_sigkill_ends_the_launcher_promptly_and_a_relaunch_resumes(tmp_path):
+    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=20")
+    run_dir = tmp_path / "run"
+    deadline = time.monotonic() + 120
+    while not checkpoint.checkpoint_paths(run_dir):
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.2)
+    victim = worker_pid(process.pid, rank=1)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = process.communicate(timeout=90)
+    assert process.returncode != 0
+    assert time.monotonic() - killed_at < 45, output[-3000:]
+    newest = checkpoint.newest_readable(run_dir)[1]["step"]
+    resumed = torchrun(tmp_path, f"trainer.max_steps={newest + 10}", "hydra.run.dir=run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {newest}" in resumed.stdout
