@@ -19,7 +19,12 @@ from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from {{ cookiecutter.package }}.config import ConfigError, TrainConfig, register_configs, to_train_config
+from {{ cookiecutter.package }}.config import (
+    ConfigError,
+    TrainConfig,
+    register_configs,
+    to_train_config,
+)
 
 EXIT_CONFIG_ERROR = 2
 
