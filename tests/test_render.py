@@ -52,6 +52,7 @@ EXPECTED_FILES = {
     "src/{package}/probe.py",
     "src/{package}/train.py",
     "tests/conftest.py",
+    "tests/test_check.py",
     "tests/test_config.py",
     "tests/test_doctor.py",
     "tests/test_failfast.py",

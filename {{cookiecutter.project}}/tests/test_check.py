@@ -1,0 +1,75 @@
+"""Every config error is one line that names the key and what is allowed, before anything starts."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import PACKAGE
+
+from {{ cookiecutter.package }}.check import config_problem
+
+BAD = [
+    ("nccl.p2p_disable=maybe", "nccl.p2p_disable: Value 'maybe' is not a valid bool"),
+    (
+        "nccl.p2p_disabel=true",
+        "nccl.p2p_disabel: no such key; allowed: auto, p2p_disable, p2p_level, ib_disable",
+    ),
+    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be at least 1"),
+    (
+        "trainer.max_steps=many",
+        "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer",
+    ),
+    ("trainer.lr=0", "trainer.lr=0.0: must be greater than 0"),
+    (
+        "trainer.precision=fp8",
+        "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
+    ),
+    ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1: must be at least 2"),
+    ("trainer.checkpoint_every=0", "trainer.checkpoint_every=0: must be at least 1"),
+    ("dist.timeout_s=0", "dist.timeout_s=0: must be at least 1 second"),
+    ("dist.backend=mpi", "dist.backend: Invalid value 'mpi', expected one of [auto, nccl, gloo]"),
+    ("dist.async_error_handling=5", "dist.async_error_handling=5: must be null, 0, 1, 2 or 3"),
+    ("data.batch_size=0", "data.batch_size=0: must be at least 1"),
+    (
+        "nccl=fastest",
+        "nccl=fastest: no such option; allowed: auto, nccl_default, pcie_safe, socket",
+    ),
+    ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* variable names"),
+    ("nccl.env.NCCL_P2P_DISABLE=1", "nccl.env.NCCL_P2P_DISABLE: no such key"),
+    ("trainer.max_steps", "Error parsing override 'trainer.max_steps'"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD, ids=[o for o, _ in BAD])
+def test_each_bad_value_is_one_line_naming_the_key(override, message):
+    problem = config_problem([override])
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(message), problem
+
+
+def test_more_processes_than_visible_gpus_is_one_line(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "99")
+    problem = config_problem(["dist.backend=nccl"])
+    assert re.fullmatch(
+        r"(dist\.backend=nccl: no CUDA device is visible.*|--nproc-per-node=99: only \d+ GPU.*)",
+        problem,
+    )
+
+
+def test_a_good_config_has_no_problem():
+    assert (
+        config_problem(["nccl=pcie_safe", "trainer.max_steps=10", "hydra.run.dir=/tmp/x"]) is None
+    )
+
+
+def test_check_command_exits_2_with_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.check", "dist.timeout_s=0"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "config error: dist.timeout_s=0: must be at least 1 second\n"
+    ok = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout == "config ok\n"
