@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PACKAGE, hang_one_rank, read_metrics, torchrun
 
-from {{ cookiecutter.package }} import doctor
+from {{ cookiecutter.package }} import checkpoint, doctor
 from {{ cookiecutter.package }}.probe import nvidia_smi_topology, nvlink_pairs_from_topo
 
 pytestmark = [
@@ -41,6 +41,7 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
         assert probe_s <= 3.0
         print(f"\nGPU-RESULT probe_s={probe_s}")
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
+    assert checkpoint.checkpoint_paths(run_dir)[-1].name == "step_000000300.pt"
     samples_per_s = sum(row["samples_per_s"] for row in rows[1:]) / len(rows[1:])  # after warm-up
     print(f"\nGPU-RESULT nccl={profile} transports={','.join(transports)} "
           f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f}")  # fmt: skip
