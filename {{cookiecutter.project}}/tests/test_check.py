@@ -73,3 +73,11 @@ def test_check_command_exits_2_with_one_line():
     assert done.stderr == "config error: dist.timeout_s=0: must be at least 1 second\n"
     ok = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout == "config ok\n"
+
+
+def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    problem = config_problem(["data.num_samples=200"])
+    assert problem == (
+        "data.batch_size=128: each of 2 process(es) gets 100 of data.num_samples=200; use a batch size of at most 100"
+    )

@@ -47,7 +47,8 @@ def test_remedy_block_lists_env_causes_and_next_commands_in_order():
     assert "NCCL_DEBUG=INFO" in block
 
 
-def test_only_the_first_failing_process_prints_the_block(tmp_path):
+def test_only_the_first_failing_process_prints_the_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert failfast.claim_report(tmp_path) is True
     assert failfast.claim_report(tmp_path) is False
 
@@ -74,3 +75,29 @@ def test_stall_watchdog_reports_only_when_progress_stops():
     (stall,) = stalls
     assert "no step finished for 1.5 s" in stall.phase
     watchdog.stop()
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("DataLoader worker (pid 12) is killed by signal: Aborted."),
+        RuntimeError("DataLoader timed out after 5 seconds"),
+    ],
+)
+def test_dataloader_failures_are_not_reported_as_collective_failures(err):
+    assert failfast.as_collective_failure(err, phase="training") is None
+
+
+def test_gloo_timeouts_are_collective_failures():
+    gloo = RuntimeError(
+        "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms"
+    )
+    assert failfast.as_collective_failure(gloo, phase="training") is not None
+
+
+def test_each_launch_reports_its_own_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert failfast.claim_report(tmp_path) is True
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a retried pod, same run dir
+    assert failfast.claim_report(tmp_path) is True

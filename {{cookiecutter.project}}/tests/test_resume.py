@@ -82,8 +82,10 @@ def wait_for_metrics(process: subprocess.Popen, run_dir) -> None:
         time.sleep(0.2)
 
 
-def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_there(tmp_path):
-    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=100000")
+@pytest.mark.parametrize("workers", [0, 2])  # DataLoader workers must not die of torchrun's SIGTERM
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_there(tmp_path, workers):
+    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=100000",
+                     f"data.num_workers={workers}")  # fmt: skip
     wait_for_metrics(process, tmp_path / "run")
     process.send_signal(signal.SIGTERM)  # what Kubernetes sends to the container's PID 1
     output, _ = process.communicate(timeout=60)
@@ -117,3 +119,25 @@ def test_a_rank_killed_with_sigkill_ends_the_launcher_promptly_and_a_relaunch_re
     resumed = torchrun(tmp_path, f"trainer.max_steps={newest + 10}", "hydra.run.dir=run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from the checkpoint of step {newest}" in resumed.stdout
+
+
+def test_resume_with_another_world_size_restarts_the_epoch(tmp_path):
+    assert torchrun(tmp_path, "trainer.max_steps=10", "hydra.run.dir=run").returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=15", "hydra.run.dir=run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "written by 2 processes, this run has 1: epoch 0 starts again" in done.stdout
+    assert "resumed from the checkpoint of step 10 (epoch 0, batch 0)" in done.stdout
+
+
+def test_separate_static_rendezvous_launches_get_separate_run_dirs(tmp_path):
+    """torchrun without --standalone names every run "none"; each launch still gets its own dir."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-port", "29533", "-m", f"{PACKAGE}.train", "trainer.max_steps=3"]  # fmt: skip
+    for _ in range(2):
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert len(runs) == 2 and all(name.startswith("launcher-") for name in runs)

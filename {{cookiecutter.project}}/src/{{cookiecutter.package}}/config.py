@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional
 
 import torch
@@ -183,10 +184,23 @@ def check_devices(config: TrainConfig, local_world_size: int) -> None:
     )
 
 
+def check_data(config: TrainConfig, world_size: int) -> None:
+    """Every process needs at least one full batch of its shard, or it never takes a step."""
+    per_process = config.data.num_samples // world_size
+    require(
+        per_process >= config.data.batch_size,
+        "data.batch_size",
+        config.data.batch_size,
+        f"each of {world_size} process(es) gets {per_process} of data.num_samples={config.data.num_samples}; "
+        f"use a batch size of at most {per_process}",
+    )
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key."""
     config: TrainConfig = OmegaConf.to_object(cfg)
     check_devices(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    check_data(config, int(os.environ.get("WORLD_SIZE", "1")))
     return config
 
 
@@ -200,6 +214,23 @@ def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
     sys.exit(2)
 
 
+def run_id() -> str:
+    """Resolver: one name per launch, the same in every worker of it. torchrun's run id; under a
+    static rendezvous, where that id is "none", the launcher's pid and start time (the workers'
+    parent); without torchrun, the time."""
+    given = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if given != "none":
+        return given
+    if "RANK" not in os.environ:
+        return time.strftime("%Y-%m-%d_%H-%M-%S")
+    launcher = os.getppid()
+    try:
+        started = Path(f"/proc/{launcher}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return f"launcher-{launcher}-{started}"
+
+
 def rank_zero_only(value: Any) -> Any:
     """Resolver: the value on global rank 0, None on the others (set by torchrun)."""
     return value if os.environ.get("RANK", "0") == "0" else None
@@ -209,3 +240,4 @@ def register_configs() -> None:
     """Make the schema and resolvers known to Hydra; call before Hydra composes."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+    OmegaConf.register_new_resolver("run_id", run_id, replace=True)

@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from {{ cookiecutter.package }} import probe
 from {{ cookiecutter.package }}.nccl import Decision
 
 EXIT_COLLECTIVE_FAILED = 3
 STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL has not
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")
+# Messages of c10d, gloo and NCCL; not DataLoader or other timeouts.
 COMM_FAILURE = re.compile(
-    r"timed out|timeout|watchdog|connection closed|connection reset|nccl error|ncclRemoteError|"
-    r"ncclSystemError|ncclInternalError|ncclUnhandledCudaError|\baborted\b",
+    r"gloo|nccl|processgroup|watchdog caught|collective operation|connection (closed|reset) by peer",
     re.IGNORECASE,
 )
 GATE_BYTES = (
@@ -125,8 +126,8 @@ def as_collective_failure(err: BaseException, phase: str) -> CollectiveFailure |
 
 
 def claim_report(run_dir: Path) -> bool:
-    """True for the first process that fails in this run dir: only it prints the full block."""
-    marker = run_dir / "nccl" / "failure-reported"
+    """True for the first process of this launch to fail: only it prints the full block."""
+    marker = run_dir / "nccl" / f"failure-reported-{probe.attempt_id()}"  # one per launch
     marker.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ def apply_nccl_env(cfg: TrainConfig, profile: str, run_dir: Path) -> nccl.Decisi
         value = str(cfg.dist.async_error_handling)
         explicit["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = (value, "config dist.async_error_handling")
     decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
-    shm_problem = nccl.shm_error(facts, decision.env)
+    shm_problem = nccl.shm_error(facts, decision.env) if uses_cuda(cfg.dist.backend) else None
     if shm_problem:
         exit_with_error(shm_problem)
     os.environ.update(decision.env)
@@ -119,6 +120,12 @@ def log_metrics(run_dir: Path, row: dict) -> None:
         out.write(json.dumps(row) + "\n")
 
 
+def ignore_sigterm(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to the trainer, which stops at a step and checkpoints;
+    they end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
@@ -144,6 +151,7 @@ def train(
         batch_size=cfg.data.batch_size,
         sampler=sampler,
         num_workers=cfg.data.num_workers,
+        worker_init_fn=ignore_sigterm,  # torchrun signals the whole group; the trainer decides
         pin_memory=device.type == "cuda",
         drop_last=True,
     )
@@ -169,10 +177,20 @@ def train(
         module.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
-        scaler.load_state_dict(resumed["scaler"])
-        if len(resumed["rng"]) == world_size:
-            checkpoint.set_rng_state(resumed["rng"][rank])
+        if resumed["scaler"]:  # empty when it was disabled (bf16, fp32, CPU)
+            scaler.load_state_dict(resumed["scaler"])
         position = checkpoint.Position(**resumed["data"])
+        if resumed["world_size"] == world_size:
+            checkpoint.set_rng_state(resumed["rng"][rank])
+        else:  # other shards: the batches of this epoch cannot be matched, so start it again
+            position = checkpoint.Position(position.step, position.epoch, 0)
+            if rank == 0:
+                log.warning(
+                    "the checkpoint was written by %d processes, this run has %d: "
+                    "epoch %d starts again from its first batch",
+                    resumed["world_size"], world_size, position.epoch,
+                )  # fmt: skip
+        progress()  # loading a large checkpoint is not a stalled collective
         if rank == 0:
             log.info(
                 "resumed from the checkpoint of step %d (epoch %d, batch %d)",
@@ -195,6 +213,7 @@ def train(
             }
             path = checkpoint.save(run_dir, state, keep=cfg.trainer.keep_checkpoints)
             log.info("checkpoint %s", path.relative_to(run_dir))
+        progress()  # writing it is not a stalled collective
 
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
@@ -243,7 +262,10 @@ def train(
                 save(here)
                 if rank == 0:
                     log.warning(
-                        "SIGTERM: stopped at step %d with a checkpoint; relaunch to resume", step
+                        "SIGTERM: stopped at step %d with a checkpoint; to resume, relaunch with "
+                        "hydra.run.dir=%s",
+                        step,
+                        run_dir,
                     )
                 return True
             if step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps:
