@@ -28,16 +28,28 @@ def compose_train():
     return _compose
 
 
+def train_command(*overrides: str, nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m <package>.train <overrides>`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
+
+
 def torchrun(
     cwd: Path, *overrides: str, nproc: int = 2, env: dict | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N -m <package>.train <overrides>` in `cwd`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
+    """Train in `cwd` and wait for it to end."""
     return subprocess.run(
-        command, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-        timeout=timeout,
+        train_command(*overrides, nproc=nproc), cwd=cwd, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+def wait_for_metrics(launcher: subprocess.Popen, run_dir: Path, timeout_s: float = 180) -> None:
+    """Until the run has logged its first steps; fails if it ends or stalls first."""
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "metrics.jsonl").exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:
@@ -63,19 +75,15 @@ def hang_one_rank(
     Returns (exit code, output, seconds from the stop to the exit).
     """
     run_dir = cwd / "hung-run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", f"{PACKAGE}.train", "trainer.max_steps=100000000", "trainer.log_every=5",
-               f"dist.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}", *overrides]  # fmt: skip
+    command = train_command("trainer.max_steps=100000000", "trainer.log_every=5",
+                            f"dist.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}", *overrides)  # fmt: skip
     launcher = subprocess.Popen(
         command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     workers = []
     try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "metrics.jsonl").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+        wait_for_metrics(launcher, run_dir)
         workers = [worker_pid(launcher.pid, rank) for rank in (0, 1)]
         assert None not in workers, f"workers not found: {workers}"
         os.kill(workers[1], signal.SIGSTOP)

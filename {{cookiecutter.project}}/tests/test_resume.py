@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import PACKAGE, torchrun, worker_pid
+from conftest import PACKAGE, torchrun, train_command, wait_for_metrics, worker_pid
 
 from {{ cookiecutter.package }} import checkpoint
 
@@ -68,18 +68,10 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path):
 
 
 def launch(tmp_path, *overrides: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", f"{PACKAGE}.train", "hydra.run.dir=run", "trainer.log_every=5", *overrides]  # fmt: skip
+    command = train_command("hydra.run.dir=run", "trainer.log_every=5", *overrides)
     return subprocess.Popen(
         command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-
-
-def wait_for_metrics(process: subprocess.Popen, run_dir) -> None:
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").exists():
-        assert process.poll() is None and time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("workers", [0, 2])  # DataLoader workers must not die of torchrun's SIGTERM
