@@ -153,7 +153,7 @@ def test_every_rank_gets_the_same_env():
 
 
 def test_flight_recorder_defaults_yield_to_the_environment():
-    defaults = nccl.fail_fast_env("/run/nccl/trace_rank_")
+    defaults = nccl.flight_recorder_env("/run/nccl/trace_rank_")
     decision = nccl.decide(
         NcclConfig(), None, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, defaults=defaults
     )

@@ -202,7 +202,9 @@ def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
     return [*p2p_choices(facts), ib_choice(facts)]
 
 
-def fail_fast_env(trace_prefix: str, buffer_var: str = "TORCH_FR_BUFFER_SIZE") -> dict[str, str]:
+def flight_recorder_env(
+    trace_prefix: str, buffer_var: str = "TORCH_FR_BUFFER_SIZE"
+) -> dict[str, str]:
     """Flight-recorder defaults: each rank keeps its last collectives and dumps them to
     trace_prefix<rank> when one times out. PyTorch before 2.11 names the buffer
     TORCH_NCCL_TRACE_BUFFER_SIZE."""

@@ -54,7 +54,7 @@ def apply_nccl_env(cfg: TrainConfig, profile: str, run_dir: Path) -> nccl.Decisi
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     facts = probe.shared_node_facts(run_dir, local_rank) if cfg.nccl.auto else probe.basic_facts()
     (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
-    recorder = nccl.fail_fast_env(
+    recorder = nccl.flight_recorder_env(
         str(run_dir / "nccl" / "trace_rank_"), flight_recorder_buffer_var()
     )
     explicit = {}
