@@ -26,7 +26,19 @@ BAD = [
         "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
     ),
     ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1: must be at least 2"),
-    ("trainer.checkpoint_every=0", "trainer.checkpoint_every=0: must be at least 1"),
+    (
+        "trainer.checkpoint_every=-1",
+        "trainer.checkpoint_every=-1: must be 0 (no checkpoints) or more",
+    ),
+    ("trainer.grad_accumulation=0", "trainer.grad_accumulation=0: must be at least 1"),
+    ("dist.bucket_cap_mb=0", "dist.bucket_cap_mb=0: must be at least 1"),
+    ("dist.comm_hook=zip", "dist.comm_hook: Invalid value 'zip'"),
+    ("trainer.grad_accumulation=2", "dist.static_graph=true: DDP's static graph cannot skip"),
+    (
+        "data.on_device=true data.num_workers=2",
+        "data.num_workers=2: must be 0 with data.on_device=true",
+    ),
+    ("experiment=huge", "experiment=huge: no such option; allowed: mlp_134m"),
     ("dist.timeout_s=0", "dist.timeout_s=0: must be at least 1 second"),
     ("dist.backend=mpi", "dist.backend: Invalid value 'mpi', expected one of [auto, nccl, gloo]"),
     ("dist.async_error_handling=5", "dist.async_error_handling=5: must be null, 0, 1, 2 or 3"),
@@ -43,7 +55,7 @@ BAD = [
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[o for o, _ in BAD])
 def test_each_bad_value_is_one_line_naming_the_key(override, message):
-    problem = config_problem([override])
+    problem = config_problem(override.split())
     assert problem is not None and "\n" not in problem
     assert problem.startswith(message), problem
 

@@ -119,3 +119,61 @@ def test_auto_gives_every_rank_the_same_env_from_one_probe(tmp_path, record_nccl
     # Written once, by local rank 0:
     assert len(list((tmp_path / "run" / "nccl").glob("probe-*.json"))) == 1
     assert "node probe:" in (tmp_path / "run" / "train.log").read_text()
+
+
+def final_weights(run_dir):
+    import torch
+
+    (last,) = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1:]
+    return torch.load(last, weights_only=True)["model"]
+
+
+def max_difference(first: dict, second: dict) -> float:
+    return max((first[key] - second[key]).abs().max().item() for key in first)
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path):
+    """Two micro-batches of 32 with the sync only on the second (DDP no_sync) take the same step
+    as one batch of 64: the sampler cuts the same shuffled order into halves."""
+    common = ("trainer.max_steps=20", "trainer.checkpoint_every=20")
+    large = torchrun(tmp_path, *common, "data.batch_size=64", f"hydra.run.dir={tmp_path / 'large'}")
+    accumulated = torchrun(
+        tmp_path, *common, "data.batch_size=32", "trainer.grad_accumulation=2",
+        f"hydra.run.dir={tmp_path / 'accumulated'}",
+    )  # fmt: skip
+    assert large.returncode == 0, large.stderr[-3000:]
+    assert accumulated.returncode == 0, accumulated.stderr[-3000:]
+    difference = max_difference(
+        final_weights(tmp_path / "large"), final_weights(tmp_path / "accumulated")
+    )
+    assert difference < 1e-5
+    assert [row["step"] for row in read_metrics(tmp_path / "accumulated")] == [20]
+
+
+def test_batches_cut_on_the_device_are_the_ones_the_loader_gives(tmp_path):
+    common = ("trainer.max_steps=30", "trainer.checkpoint_every=30")
+    loader = torchrun(
+        tmp_path, *common, "data.num_workers=2", f"hydra.run.dir={tmp_path / 'loader'}"
+    )
+    on_device = torchrun(
+        tmp_path, *common, "data.on_device=true", f"hydra.run.dir={tmp_path / 'on_device'}"
+    )
+    assert loader.returncode == 0, loader.stderr[-3000:]
+    assert on_device.returncode == 0, on_device.stderr[-3000:]
+    assert (
+        max_difference(final_weights(tmp_path / "loader"), final_weights(tmp_path / "on_device"))
+        == 0
+    )
+
+
+def test_checkpoints_off_writes_none_and_metrics_carry_the_step_time(tmp_path):
+    run_dir = tmp_path / "run"
+    done = torchrun(
+        tmp_path, "trainer.max_steps=20", "trainer.log_every=10", "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (run_dir / "checkpoints").exists()
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [10, 20]
+    assert all(row["step_time_ms"] > 0 for row in rows)

@@ -57,13 +57,26 @@ def one_line(err: Exception) -> str:
     return " ".join(text.split())
 
 
+def load_config(overrides: list[str]) -> TrainConfig:
+    """The config that train composes with `overrides`, checked; raises on a bad one."""
+    register_configs()
+    with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    return to_train_config(cfg)
+
+
+def choice(group: str, overrides: list[str]) -> str:
+    """The option of a config group that train composes with `overrides`, e.g. nccl -> auto."""
+    register_configs()
+    with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    return cfg.hydra.runtime.choices[group]
+
+
 def config_problem(overrides: list[str]) -> str | None:
     """None if the config composed with `overrides` is valid, else one line naming the key."""
-    register_configs()
     try:
-        with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
-            cfg = compose(config_name="train", overrides=overrides)
-        to_train_config(cfg)
+        load_config(overrides)
     except ConfigError as err:
         return str(err)
     except (HydraException, OmegaConfBaseException) as err:

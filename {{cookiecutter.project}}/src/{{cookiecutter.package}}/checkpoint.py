@@ -131,12 +131,33 @@ class Preemption:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group  # a CPU (gloo) group: the check costs no GPU synchronisation
         self.requested = False
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.pending: dist.Work | None = None
         signal.signal(signal.SIGTERM, self.request)
 
     def request(self, signum: int, frame: Any) -> None:
         self.requested = True
 
     def agreed(self) -> bool:
-        flag = torch.tensor([int(self.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        """Reads the all-reduce of the flag started one step earlier and starts the next, so the
+        exchange runs during a step instead of inside it. Every rank calls this once per step and
+        so gets the same answer at the same step, one step after the signal."""
+        if dist.get_world_size(self.group) == 1:
+            return self.requested
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            stop = bool(self.flag.item())
+        self.pending = None
+        if not stop:
+            self.flag = torch.tensor([int(self.requested)], dtype=torch.int32)
+            self.pending = dist.all_reduce(
+                self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+            )
+        return stop
+
+    def close(self) -> None:
+        """Finish the exchange in flight before the group is used for anything else."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None

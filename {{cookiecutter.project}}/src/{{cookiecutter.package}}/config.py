@@ -61,6 +61,8 @@ class DataConfig:
     num_classes: int = 8
     batch_size: int = 128
     num_workers: int = 0
+    pin_memory: bool = True
+    on_device: bool = False
 
     def __post_init__(self) -> None:
         require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
@@ -70,6 +72,12 @@ class DataConfig:
         require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
+        require(
+            not (self.on_device and self.num_workers > 0),
+            "data.num_workers",
+            self.num_workers,
+            "must be 0 with data.on_device=true (the batches are cut on the GPU)",
+        )
 
 
 class Precision(Enum):
@@ -89,6 +97,9 @@ class TrainerConfig:
     precision: Precision = Precision.bf16
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
+    grad_accumulation: int = 1
+    fused_optimizer: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
@@ -101,10 +112,10 @@ class TrainerConfig:
             self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "must be 0 or more"
         )
         require(
-            self.checkpoint_every >= 1,
+            self.checkpoint_every >= 0,
             "trainer.checkpoint_every",
             self.checkpoint_every,
-            "must be at least 1",
+            "must be 0 (no checkpoints) or more",
         )
         require(
             self.keep_checkpoints >= 2,
@@ -112,6 +123,19 @@ class TrainerConfig:
             self.keep_checkpoints,
             "must be at least 2",
         )
+        require(
+            self.grad_accumulation >= 1,
+            "trainer.grad_accumulation",
+            self.grad_accumulation,
+            "must be at least 1",
+        )
+
+
+class CommHook(Enum):
+    default = "default"  # DDP's own: sum, then divide by the world size
+    bf16 = "bf16"  # compress to bf16 for the all-reduce: half the bytes on the wire
+    fp16 = "fp16"  # compress to fp16
+    noop = "noop"  # no gradient communication at all: the bench's compute-only run
 
 
 @dataclass
@@ -120,6 +144,10 @@ class DistConfig:
     timeout_s: int = 180
     gate_timeout_s: int = 60
     async_error_handling: Optional[int] = 2
+    bucket_cap_mb: int = 100
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    comm_hook: CommHook = CommHook.default
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
@@ -134,6 +162,9 @@ class DistConfig:
             "dist.async_error_handling",
             self.async_error_handling,
             "must be null, 0, 1, 2 or 3 (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
+        )
+        require(
+            self.bucket_cap_mb >= 1, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be at least 1"
         )
 
 
@@ -196,11 +227,23 @@ def check_data(config: TrainConfig, world_size: int) -> None:
     )
 
 
+def check_combinations(config: TrainConfig) -> None:
+    """Values that are fine alone but not together."""
+    require(
+        not (config.dist.static_graph and config.trainer.grad_accumulation > 1),
+        "dist.static_graph",
+        "true",
+        f"DDP's static graph cannot skip the gradient sync that trainer.grad_accumulation="
+        f"{config.trainer.grad_accumulation} needs; set dist.static_graph=false",
+    )
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key."""
     config: TrainConfig = OmegaConf.to_object(cfg)
     check_devices(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     check_data(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_combinations(config)
     return config
 
 

@@ -1,11 +1,12 @@
 """A synthetic classification set: no download, and a model visibly learns it in a few hundred steps."""
 
 import itertools
-from collections.abc import Iterator
+import signal
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from {{ cookiecutter.package }}.config import DataConfig
 
@@ -41,3 +42,55 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self.start)
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM to the trainer, which stops at a step and checkpoints;
+    they end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class DeviceBatches:
+    """Batches of a data set held in GPU memory: each epoch's indices go over in one copy, and
+    each batch is a gather on the GPU, with no host work and no synchronisation per batch."""
+
+    def __init__(self, dataset: TensorDataset, batches: BatchSampler) -> None:
+        self.dataset = dataset
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        order = list(self.batches)
+        if order:
+            device = self.dataset.tensors[0].device
+            for batch in torch.tensor(order, device=device):
+                yield self.dataset[batch]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def build_loader(
+    dataset: TensorDataset, cfg: DataConfig, seed: int, device: torch.device
+) -> tuple[Iterable[tuple[torch.Tensor, ...]], ResumableSampler]:
+    """Batches of this rank's shard. A TensorDataset takes a whole batch of indices at once, so
+    each batch is one gather, not batch_size lookups and a stack (the main process keeps up with
+    a GPU step of a few ms). A dataset of single samples: pass batch_size instead of a
+    BatchSampler, and raise data.num_workers."""
+    sampler = ResumableSampler(
+        dataset, batch_size=cfg.batch_size, shuffle=True, seed=seed, drop_last=True
+    )
+    batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
+    if cfg.on_device:
+        on_device = TensorDataset(*(tensor.to(device) for tensor in dataset.tensors))
+        return DeviceBatches(on_device, batches), sampler
+    loader = DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,  # the sampler yields whole batches
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,  # no worker start-up at each epoch
+        worker_init_fn=ignore_sigterm,  # torchrun signals the whole group; the trainer decides
+        pin_memory=cfg.pin_memory
+        and device.type == "cuda",  # lets .to(device, non_blocking=True) overlap
+    )
+    return loader, sampler

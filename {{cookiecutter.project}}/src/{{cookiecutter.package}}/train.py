@@ -13,10 +13,10 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -27,18 +27,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from {{ cookiecutter.package }} import check, checkpoint, failfast, nccl, probe
 from {{ cookiecutter.package }}.config import (
+    CommHook,
+    DistConfig,
     Precision,
     TrainConfig,
     exit_with_error,
     register_configs,
     uses_cuda,
 )
-from {{ cookiecutter.package }}.data import ResumableSampler, synthetic_dataset
+from {{ cookiecutter.package }}.data import build_loader, synthetic_dataset
 from {{ cookiecutter.package }}.model import build_model
 
 log = logging.getLogger(__name__)
@@ -120,13 +123,37 @@ def log_metrics(run_dir: Path, row: dict) -> None:
         out.write(json.dumps(row) + "\n")
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM to the trainer, which stops at a step and checkpoints;
-    they end with it."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+
+COMM_HOOKS = {
+    CommHook.default: None,
+    CommHook.bf16: default_hooks.bf16_compress_hook,
+    CommHook.fp16: default_hooks.fp16_compress_hook,
+    CommHook.noop: debugging_hooks.noop_hook,
+}
+
+
+def wrap_ddp(module: nn.Module, cfg: DistConfig, device: torch.device) -> nn.Module:
+    """DDP over several processes. One process trains the bare module: DDP's bucket copies and
+    hooks would only slow its step."""
+    if dist.get_world_size() == 1:
+        return module
+    model = DDP(
+        module,
+        device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,  # fewer, larger all-reduces; see BENCHMARKS.md
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # grads live in the buckets: no copy
+        static_graph=cfg.static_graph,  # the same parameters get gradients every step
+    )
+    if COMM_HOOKS[cfg.comm_hook]:
+        model.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    return model
+
+
+def skip_gradient_sync(model: nn.Module) -> AbstractContextManager:
+    """For all but the last micro-batch of an accumulated step: gradients add up locally."""
+    return model.no_sync() if isinstance(model, DDP) else nullcontext()
 
 
 def train(
@@ -143,22 +170,15 @@ def train(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.trainer.seed)
     dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
-    sampler = ResumableSampler(
-        dataset, batch_size=cfg.data.batch_size, shuffle=True, seed=cfg.trainer.seed, drop_last=True
-    )
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.data.batch_size,
-        sampler=sampler,
-        num_workers=cfg.data.num_workers,
-        worker_init_fn=ignore_sigterm,  # torchrun signals the whole group; the trainer decides
-        pin_memory=device.type == "cuda",
-        drop_last=True,
-    )
+    loader, sampler = build_loader(dataset, cfg.data, seed=cfg.trainer.seed, device=device)
     module = build_model(cfg.model, cfg.data).to(device)
-    model = DDP(module)
+    model = wrap_ddp(module, cfg.dist, device)
+    forward = torch.compile(model) if cfg.trainer.compile else model
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        module.parameters(),
+        lr=cfg.trainer.lr,
+        weight_decay=cfg.trainer.weight_decay,
+        fused=(cfg.trainer.fused_optimizer and device.type == "cuda") or None,  # one kernel
     )
     warmup = max(1, cfg.trainer.warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -170,6 +190,8 @@ def train(
         device.type, enabled=on_gpu and cfg.trainer.precision is Precision.fp16
     )
     preemption = checkpoint.Preemption(control)
+    checkpoints = cfg.trainer.checkpoint_every > 0
+    accumulation = cfg.trainer.grad_accumulation
 
     position = checkpoint.Position()
     resumed = checkpoint.choose_and_load(run_dir, control)
@@ -198,6 +220,8 @@ def train(
             )
 
     def save(position: checkpoint.Position) -> None:
+        if not checkpoints:
+            return
         rng = checkpoint.gather_rng_states(control)  # a collective: every rank takes part
         if rank == 0:
             state = {
@@ -217,29 +241,36 @@ def train(
 
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
-    started = time.perf_counter()
+    micro_batch, window_start, started = 0, step, time.perf_counter()
     while step < cfg.trainer.max_steps:
         sampler.set_position(epoch, batch_in_epoch)
         for inputs, labels in loader:
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            with torch.autocast(
-                device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
-            ):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # DDP all-reduces the gradients here
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            step += 1
+            micro_batch += 1
+            last_micro_batch = micro_batch == accumulation
+            with nullcontext() if last_micro_batch else skip_gradient_sync(model):
+                with torch.autocast(
+                    device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+                ):
+                    logits = forward(inputs)
+                    loss = F.cross_entropy(logits, labels)
+                # DDP all-reduces the gradients during the last micro-batch's backward
+                scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()
             batch_in_epoch += 1
-            progress()
-
             window[0] += loss.detach().float() * len(labels)
             window[1] += (logits.argmax(dim=1) == labels).sum()
             window[2] += len(labels)
+            if not last_micro_batch:
+                continue
+            micro_batch = 0
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            progress()
+
             if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
                 dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
                 now = time.perf_counter()
@@ -252,28 +283,32 @@ def train(
                         "loss": loss_sum / samples,
                         "accuracy": correct / samples,
                         "samples_per_s": samples / (now - started),
+                        "step_time_ms": (now - started) / (step - window_start) * 1e3,
                         "world_size": world_size,
                     }
                     log_metrics(run_dir, row)
                 window.zero_()
-                started = now
+                window_start, started = step, now
             here = checkpoint.Position(step, epoch, batch_in_epoch)
             if preemption.agreed():
                 save(here)
                 if rank == 0:
                     log.warning(
-                        "SIGTERM: stopped at step %d with a checkpoint; to resume, relaunch with "
-                        "hydra.run.dir=%s",
+                        "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
                         step,
+                        " with a checkpoint" if checkpoints else " (checkpoints are off)",
                         run_dir,
                     )
                 return True
-            if step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps:
+            if checkpoints and (
+                step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps
+            ):
                 save(here)
             if step == cfg.trainer.max_steps:
                 break
         else:  # the epoch ran out
             epoch, batch_in_epoch = epoch + 1, 0
+    preemption.close()
     return False
 
 
