@@ -1,0 +1,20 @@
+# Sourced by the GPU scripts: the environment, then the template rendered and the project
+# installed non-editably (no registry needed). Sets $work and $project.
+# NVLink multicast must stay off on the shared GPU hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+work=$(mktemp -d)
+python3 -m cookiecutter "$PWD" --no-input -o "$work/render"
+project=$work/render/ddp-project
+python3 -m pip install -q --no-deps --no-build-isolation --target "$work/site" "$project"
+export PYTHONPATH=$work/site:$PYTHONPATH
+{
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv
+  nvidia-smi topo -m
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+} 2>&1 | tee "$OUT/machine.txt"
