@@ -33,7 +33,10 @@ BAD = [
     ("trainer.grad_accumulation=0", "trainer.grad_accumulation=0: must be at least 1"),
     ("dist.bucket_cap_mb=0", "dist.bucket_cap_mb=0: must be at least 1"),
     ("dist.comm_hook=zip", "dist.comm_hook: Invalid value 'zip'"),
-    ("trainer.grad_accumulation=2", "dist.static_graph=true: DDP's static graph cannot skip"),
+    (
+        "dist.static_graph=true trainer.grad_accumulation=2",
+        "dist.static_graph=true: DDP's static graph cannot skip",
+    ),
     (
         "data.on_device=true data.num_workers=2",
         "data.num_workers=2: must be 0 with data.on_device=true",
@@ -45,7 +48,7 @@ BAD = [
     ("data.batch_size=0", "data.batch_size=0: must be at least 1"),
     (
         "nccl=fastest",
-        "nccl=fastest: no such option; allowed: auto, nccl_default, pcie_safe, socket",
+        "nccl=fastest: no such option; allowed: auto, infiniband, nccl_default, pcie_safe, socket",
     ),
     ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* variable names"),
     ("nccl.env.NCCL_P2P_DISABLE=1", "nccl.env.NCCL_P2P_DISABLE: no such key"),
