@@ -35,6 +35,7 @@ EXPECTED_FILES = {
     "configs/hydra/job_logging/rank_zero.yaml",
     "configs/model/mlp.yaml",
     "configs/nccl/auto.yaml",
+    "configs/nccl/infiniband.yaml",
     "configs/nccl/nccl_default.yaml",
     "configs/nccl/pcie_safe.yaml",
     "configs/nccl/socket.yaml",
@@ -72,6 +73,7 @@ PROFILE_ENV = {
     "nccl_default": {},
     "pcie_safe": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+    "infiniband": {"NCCL_IB_DISABLE": "0"},
 }
 
 

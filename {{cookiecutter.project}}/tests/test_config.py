@@ -15,6 +15,7 @@ PROFILE_ENV = {
     "nccl_default": {},
     "pcie_safe": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
+    "infiniband": {"NCCL_IB_DISABLE": "0"},
 }
 
 
@@ -27,7 +28,7 @@ def test_default_config_composes_into_typed_objects(compose_train):
 @pytest.mark.parametrize("profile", sorted(PROFILE_ENV))
 def test_each_profile_sets_exactly_its_variables(compose_train, profile):
     config = OmegaConf.to_object(compose_train(f"nccl={profile}"))
-    assert config.nccl.auto is (profile == "auto")
+    assert config.nccl.auto is (profile in ("auto", "infiniband"))
     assert nccl.decide(config.nccl, None, inherited={}).env == PROFILE_ENV[profile]
 
 

@@ -67,6 +67,24 @@ def test_auto_several_nodes_keeps_ib_only_when_active(ib_ports, expected):
     assert auto_env(facts(ib=ib_ports, world=8, local_world=2)) == expected
 
 
+def test_infiniband_profile_forces_ib_on_and_keeps_the_probes_p2p_choices(compose_train):
+    from omegaconf import OmegaConf
+
+    profile = OmegaConf.to_object(
+        compose_train("nccl=infiniband", "nccl.ib_hca='mlx5_0,mlx5_1'", "nccl.ib_gid_index=3")
+    ).nccl
+    # No active port seen (e.g. /sys/class/infiniband not mounted): auto alone would turn IB off.
+    node = facts(nvlink=(), ib=0, world=8, local_world=2, tests={(0, 1): "hang"})
+    decision = nccl.decide(profile, node, inherited={})
+    assert decision.env == {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+        "NCCL_IB_GID_INDEX": "3",
+        "NCCL_P2P_DISABLE": "1",  # the broken PCIe pair, from the probe
+    }
+    assert decision.settings["NCCL_IB_DISABLE"].source == "config nccl.ib_disable"
+
+
 def test_small_dev_shm_stops_with_the_kubernetes_fix_when_shm_will_carry_traffic():
     node = facts(nvlink=(), shm=64 * 2**20, tests={(0, 1): "hang"})
     message = nccl.shm_error(node, auto_env(node))

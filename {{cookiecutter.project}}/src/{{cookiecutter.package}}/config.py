@@ -176,6 +176,8 @@ class NcclConfig:
     p2p_disable: Optional[bool] = None
     p2p_level: Optional[str] = None
     ib_disable: Optional[bool] = None
+    ib_hca: Optional[str] = None
+    ib_gid_index: Optional[int] = None
     shm_disable: Optional[bool] = None
     socket_ifname: Optional[str] = None
     debug: Optional[NcclDebug] = None

@@ -29,7 +29,7 @@ from {{ cookiecutter.package }} import nccl, probe
 from {{ cookiecutter.package }}.config import TrainConfig, register_configs
 
 PACKAGE = __package__
-PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]
+PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto
 GPU_SIZES_MIB = [1, 64, 1024]
 CPU_SIZES_MIB = [1, 64]
 ALLREDUCE_LINE = re.compile(r"^ALLREDUCE (\{.*\})$", re.MULTILINE)

@@ -24,6 +24,8 @@ FIELD_VARS = {
     "p2p_disable": "NCCL_P2P_DISABLE",
     "p2p_level": "NCCL_P2P_LEVEL",
     "ib_disable": "NCCL_IB_DISABLE",
+    "ib_hca": "NCCL_IB_HCA",
+    "ib_gid_index": "NCCL_IB_GID_INDEX",
     "shm_disable": "NCCL_SHM_DISABLE",
     "socket_ifname": "NCCL_SOCKET_IFNAME",
     "debug": "NCCL_DEBUG",
