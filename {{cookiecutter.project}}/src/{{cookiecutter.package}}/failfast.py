@@ -23,7 +23,8 @@ STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")
 # Messages of c10d, gloo and NCCL; not DataLoader or other timeouts.
 COMM_FAILURE = re.compile(
-    r"gloo|nccl|processgroup|watchdog caught|collective operation|connection (closed|reset) by peer",
+    r"gloo|nccl|processgroup|watchdog caught|collective operation|connection (closed|reset) by peer"
+    r"|caused pair closure",  # gloo's timeout, raised inside DDP's backward
     re.IGNORECASE,
 )
 GATE_BYTES = (
