@@ -1,8 +1,17 @@
-"""Print the next steps. Local and idempotent: cruft re-runs this hook on every update."""
+"""Render k8s/ from the generated configs/ with the project's own renderer, then print the next
+steps. Local and idempotent: cruft re-runs this hook on every update."""
 
+import importlib
 import json
+import sys
+from pathlib import Path
 
 ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
+
+# The renderer needs only the standard library and PyYAML (a dependency of cookiecutter).
+sys.path.insert(0, "src")
+k8s = importlib.import_module(f"{ANSWERS['package']}.k8s")
+k8s.write(k8s.from_files(Path("configs"), ANSWERS["nccl_profile"]), Path("k8s"))
 
 print(
     f"""
@@ -11,5 +20,6 @@ Created {ANSWERS["project"]}/. Next:
   python -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]'
   torchrun --standalone --nproc-per-node 2 -m {ANSWERS["package"]}.train
   pytest
+  python -m {ANSWERS["package"]}.k8s --check     # k8s/ matches configs/ (after edits: drop --check)
 """
 )

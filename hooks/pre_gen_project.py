@@ -65,6 +65,13 @@ def check_num_gpus(key: str, value: object) -> str | None:
     return None
 
 
+def check_num_nodes(key: str, value: object) -> str | None:
+    text = str(value)
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 256:
+        return f"{key} {text!r} is not a whole number of nodes: use an integer from 1 to 256"
+    return None
+
+
 def check_python_version(key: str, value: str) -> str | None:
     if not PYTHON_VERSION.fullmatch(value):
         return f"{key} {value!r} is not supported: use one of 3.11, 3.12, 3.13"
@@ -98,6 +105,7 @@ CHECKS = {  # in prompt order
     "author": check_free_text,
     "python_version": check_python_version,
     "num_gpus": check_num_gpus,
+    "num_nodes": check_num_nodes,
     "base_image": check_image,
     "image": check_image,
     "namespace": check_dns_label,

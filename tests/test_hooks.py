@@ -28,6 +28,8 @@ REFUSED = [
     ("num_gpus", "17", "use an integer from 1 to 16"),
     ("num_gpus", "two", "use an integer from 1 to 16"),
     ("num_gpus", "2; reboot", "use an integer from 1 to 16"),
+    ("num_nodes", "0", "num_nodes '0' is not a whole number of nodes: use an integer from 1 to 256"),
+    ("num_nodes", "many", "use an integer from 1 to 256"),
     ("python_version", "2.7", "python_version '2.7' is not supported: use one of 3.11, 3.12, 3.13"),
     ("image", 'evil" && curl x', "is not an image reference"),
     ("image", "ghcr.io/acme/x:$(id)", "is not an image reference"),
@@ -86,6 +88,7 @@ def test_invalid_profile_choice_leaves_nothing(tmp_path):
     [
         ("num_gpus", "16"),
         ("num_gpus", "1"),
+        ("num_nodes", "256"),
         ("python_version", "3.13"),
         ("image", "registry.local:5000/team/ddp@sha256:" + "a" * 64),
     ],

@@ -12,11 +12,13 @@ import pytest
 import yaml
 from conftest import BIN, PROFILES, cookiecutter_cli, render
 
-# (nccl_profile, num_gpus, project); the long name checks that formatting does not depend on it.
-MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}") for profile in PROFILES] + [
-    ("auto", 1, "one-gpu"),
-    ("pcie_safe", 8, "eight-gpus"),
-    ("socket", 16, "a-thirty-one-character-project"),
+# (nccl_profile, num_gpus, project, num_nodes); the long name checks that formatting does not depend on it.
+MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1) for profile in PROFILES] + [
+    ("auto", 1, "one-gpu", 1),
+    ("pcie_safe", 8, "eight-gpus", 1),
+    ("socket", 16, "a-thirty-one-character-project", 1),
+    ("infiniband", 8, "two-nodes", 2),
+    ("auto", 4, "sixteen-nodes", 16),
 ]
 
 EXPECTED_FILES = {
@@ -30,6 +32,7 @@ EXPECTED_FILES = {
     "configs/__init__.py",
     "configs/train.yaml",
     "configs/data/synthetic.yaml",
+    "configs/deploy/default.yaml",
     "configs/dist/default.yaml",
     "configs/experiment/mlp_134m.yaml",
     "configs/hydra/job_logging/rank_zero.yaml",
@@ -49,6 +52,7 @@ EXPECTED_FILES = {
     "src/{package}/data.py",
     "src/{package}/doctor.py",
     "src/{package}/failfast.py",
+    "src/{package}/k8s.py",
     "src/{package}/logs.py",
     "src/{package}/model.py",
     "src/{package}/nccl.py",
@@ -60,6 +64,7 @@ EXPECTED_FILES = {
     "tests/test_config.py",
     "tests/test_doctor.py",
     "tests/test_failfast.py",
+    "tests/test_multinode.py",
     "tests/test_gpu.py",
     "tests/test_nccl.py",
     "tests/test_probe.py",
@@ -77,11 +82,14 @@ PROFILE_ENV = {
 }
 
 
-@pytest.fixture(scope="module", params=MATRIX, ids=[f"{p}-{n}gpu" for p, n, _ in MATRIX])
+@pytest.fixture(scope="module", params=MATRIX, ids=[f"{p}-{g}gpu-{n}node" for p, g, _, n in MATRIX])
 def rendered(request, tmp_path_factory):
-    profile, gpus, project = request.param
-    path = render(tmp_path_factory.mktemp("render"), project=project, nccl_profile=profile, num_gpus=str(gpus))
-    return SimpleNamespace(path=path, profile=profile, gpus=gpus, package=project.replace("-", "_"))
+    profile, gpus, project, nodes = request.param
+    path = render(
+        tmp_path_factory.mktemp("render"),
+        project=project, nccl_profile=profile, num_gpus=str(gpus), num_nodes=str(nodes),
+    )  # fmt: skip
+    return SimpleNamespace(path=path, profile=profile, gpus=gpus, nodes=nodes, package=project.replace("-", "_"))
 
 
 def files_of(path):
@@ -101,7 +109,10 @@ def load_module(path, name):
 
 
 def test_exact_file_set(rendered):
-    assert files_of(rendered.path) == {f.format(package=rendered.package) for f in EXPECTED_FILES}
+    expected = {f.format(package=rendered.package) for f in EXPECTED_FILES}
+    if rendered.nodes > 1:
+        expected.add("k8s/service.yaml")  # names the pods of the Indexed Job
+    assert files_of(rendered.path) == expected
 
 
 def test_no_template_text_left(rendered):
@@ -128,13 +139,13 @@ def test_yaml_and_toml_parse(rendered):
 
 
 def test_manifests_pass_strict_kubernetes_validation(rendered):
+    manifests = sorted(str(p.relative_to(rendered.path)) for p in (rendered.path / "k8s").glob("*.yaml"))
     done = subprocess.run(
-        [BIN / "kubernetes-validate", "--strict", "--kubernetes-version", "1.33.0",
-         "k8s/job.yaml", "k8s/runs-pvc.yaml"],
+        [BIN / "kubernetes-validate", "--strict", "--kubernetes-version", "1.33.0", *manifests],
         cwd=rendered.path, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed") == 2
+    assert done.stdout.count("passed") == len(manifests) == (3 if rendered.nodes > 1 else 2)
 
 
 def test_job_env_block_carries_the_profile(rendered):
@@ -167,13 +178,45 @@ def test_job_shape(rendered):
     assert job["spec"]["backoffLimit"] >= 1
     assert pod["restartPolicy"] == "Never"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == rendered.gpus
-    assert container["command"] == ["torchrun"]
     args = container["args"]
     assert args[args.index("--nproc-per-node") + 1] == str(rendered.gpus)
     assert args[args.index("-m") + 1] == f"{rendered.package}.train"
+    if rendered.nodes == 1:
+        assert container["command"] == ["torchrun"] and "--standalone" in args
+        assert "completionMode" not in job["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
+    job = job_of(rendered)
+    name = job["metadata"]["name"]
+    pod = job["spec"]["template"]["spec"]
+    if rendered.nodes == 1:  # one pod: a plain Job, no Service to name it
+        assert "subdomain" not in pod and not (rendered.path / "k8s" / "service.yaml").exists()
+        return
+    (container,) = pod["containers"]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == rendered.nodes
+    service = yaml.safe_load((rendered.path / "k8s" / "service.yaml").read_text())
+    assert service["kind"] == "Service" and service["metadata"]["name"] == pod["subdomain"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"job-name": name}
+    args = container["args"]
+    assert args[args.index("--nnodes") + 1] == str(rendered.nodes) and "--standalone" not in args
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RDZV_HOST"]["value"] == f"{name}-0.{service['metadata']['name']}"
+    index = env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    launch = container["command"][2]
+    assert container["command"][:2] == ["/bin/sh", "-c"] and "exec torchrun" in launch
+    assert "0) host=localhost" in launch and '--node-rank "$JOB_COMPLETION_INDEX"' in launch
+    assert '--master-addr "$host"' in launch and env["RDZV_PORT"]["value"] == "29500"
+    assert spec["backoffLimit"] == 3 * rendered.nodes  # one failure takes down every node's pod
+    claim = yaml.safe_load((rendered.path / "k8s" / "runs-pvc.yaml").read_text())
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes the shared run dir
 
 
 def test_job_survives_preemption_and_fails_fast_on_config_errors(rendered):

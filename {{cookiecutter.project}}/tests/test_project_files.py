@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }} import k8s, nccl
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package }}"
@@ -25,6 +25,30 @@ def test_job_env_block_matches_the_default_nccl_profile(compose_train):
         e["name"]: e["value"] for e in job_container()["env"] if e["name"].startswith("NCCL_")
     }
     assert job_env == profile_env
+
+
+def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
+    """k8s/ is generated from configs/ (python -m {{ cookiecutter.package }}.k8s): edit the config, regenerate."""
+    cfg = compose_train()
+    deploy = OmegaConf.to_container(cfg.deploy, enum_to_str=True)
+    profile = OmegaConf.to_container(cfg.nccl, enum_to_str=True)
+    assert k8s.differences(k8s.manifests(deploy, k8s.nccl_env(profile)), ROOT / "k8s") == []
+
+
+def test_k8s_check_notices_an_edit_and_regenerating_fixes_it(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(tmp_path / "k8s")]
+    stale = subprocess.run([*command, "--check", "deploy.nodes=2"], capture_output=True, text=True)
+    assert stale.returncode == 1
+    assert "service.yaml: missing" in stale.stderr and "regenerate:" in stale.stderr
+    assert subprocess.run([*command, "deploy.nodes=2"], capture_output=True).returncode == 0
+    assert subprocess.run([*command, "--check", "deploy.nodes=2"]).returncode == 0
+    assert subprocess.run([*command, "deploy.nodes=1"], capture_output=True).returncode == 0
+    assert not (tmp_path / "k8s" / "service.yaml").exists()  # no longer generated: removed
 
 
 def test_job_runs_one_torchrun_over_all_the_pods_gpus():

@@ -8,6 +8,7 @@ check_devices; check.py runs them all before Hydra creates the run dir.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,47 @@ class NcclConfig:
             raise ConfigError(errors[0])
 
 
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+@dataclass
+class DeployConfig:
+    """What k8s.py renders into k8s/: the image, where it runs, and the shape of the job."""
+
+    name: str = "ddp-project"
+    image: str = "ddp-project:latest"
+    namespace: str = "default"
+    nodes: int = 1
+    gpus_per_node: int = 1
+    rdzv_port: int = 29500
+    shm_size: str = "16Gi"
+    runs_storage: str = "50Gi"
+    backoff_limit: int = 3
+
+    def __post_init__(self) -> None:
+        # The Job's pods are <name>-<index>-<suffix>; the claim is <name>-runs.
+        require(
+            DNS_LABEL.fullmatch(self.name) is not None and len(self.name) <= 47,
+            "deploy.name", self.name, "must be a DNS label of at most 47 characters (a-z, 0-9, -)",
+        )  # fmt: skip
+        require(
+            DNS_LABEL.fullmatch(self.namespace) is not None,
+            "deploy.namespace", self.namespace, "must be a DNS label (a-z, 0-9, -)",
+        )  # fmt: skip
+        require(self.nodes >= 1, "deploy.nodes", self.nodes, "must be at least 1")
+        require(
+            1 <= self.gpus_per_node <= 16,
+            "deploy.gpus_per_node", self.gpus_per_node, "must be 1 to 16",
+        )  # fmt: skip
+        require(
+            1024 <= self.rdzv_port <= 65535,
+            "deploy.rdzv_port", self.rdzv_port, "must be 1024 to 65535",
+        )  # fmt: skip
+        require(
+            self.backoff_limit >= 0, "deploy.backoff_limit", self.backoff_limit, "must be 0 or more"
+        )
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,6 +239,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
 
 
 def uses_cuda(backend: Backend) -> bool:
