@@ -1,25 +1,32 @@
 """Render a matrix of answers and check every file the way its own tools would."""
 
 import importlib.util
+import json
 import py_compile
 import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from types import SimpleNamespace
 
+import jsonschema
 import pytest
 import yaml
 from conftest import BIN, PROFILES, cookiecutter_cli, render
 
-# (nccl_profile, num_gpus, project, num_nodes); the long name checks that formatting does not depend on it.
-MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1) for profile in PROFILES] + [
-    ("auto", 1, "one-gpu", 1),
-    ("pcie_safe", 8, "eight-gpus", 1),
-    ("socket", 16, "a-thirty-one-character-project", 1),
-    ("infiniband", 8, "two-nodes", 2),
-    ("auto", 4, "sixteen-nodes", 16),
+# (nccl_profile, num_gpus, project, num_nodes, k8s_flavor); the long name checks that formatting
+# does not depend on it.
+MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1, "job") for profile in PROFILES] + [
+    ("auto", 1, "one-gpu", 1, "job"),
+    ("pcie_safe", 8, "eight-gpus", 1, "job"),
+    ("socket", 16, "a-thirty-one-character-project", 1, "job"),
+    ("infiniband", 8, "two-nodes", 2, "job"),
+    ("auto", 4, "sixteen-nodes", 16, "job"),
+    ("infiniband", 8, "jobset-two-nodes", 2, "jobset"),
+    ("auto", 2, "jobset-one-node", 1, "jobset"),
 ]
+JOBSET_SCHEMA = json.loads((Path(__file__).parent / "data" / "jobset.x-k8s.io_v1alpha2.schema.json").read_text())
 
 EXPECTED_FILES = {
     ".dockerignore",
@@ -27,7 +34,6 @@ EXPECTED_FILES = {
     "Dockerfile",
     "README.md",
     "pyproject.toml",
-    "k8s/job.yaml",
     "k8s/runs-pvc.yaml",
     "configs/__init__.py",
     "configs/train.yaml",
@@ -82,22 +88,35 @@ PROFILE_ENV = {
 }
 
 
-@pytest.fixture(scope="module", params=MATRIX, ids=[f"{p}-{g}gpu-{n}node" for p, g, _, n in MATRIX])
+@pytest.fixture(scope="module", params=MATRIX, ids=[f"{p}-{g}gpu-{n}node-{f}" for p, g, _, n, f in MATRIX])
 def rendered(request, tmp_path_factory):
-    profile, gpus, project, nodes = request.param
+    profile, gpus, project, nodes, flavor = request.param
     path = render(
-        tmp_path_factory.mktemp("render"),
-        project=project, nccl_profile=profile, num_gpus=str(gpus), num_nodes=str(nodes),
+        tmp_path_factory.mktemp("render"), project=project, nccl_profile=profile,
+        num_gpus=str(gpus), num_nodes=str(nodes), k8s_flavor=flavor,
     )  # fmt: skip
-    return SimpleNamespace(path=path, profile=profile, gpus=gpus, nodes=nodes, package=project.replace("-", "_"))
+    return SimpleNamespace(
+        path=path, profile=profile, gpus=gpus, nodes=nodes, flavor=flavor, package=project.replace("-", "_")
+    )
 
 
 def files_of(path):
     return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
 
 
+def jobset_of(rendered) -> dict:
+    return yaml.safe_load((rendered.path / "k8s" / "jobset.yaml").read_text())
+
+
 def job_of(rendered) -> dict:
-    return yaml.safe_load((rendered.path / "k8s" / "job.yaml").read_text())
+    """The batch/v1 Job: k8s/job.yaml, or the one a JobSet's replicated Job makes."""
+    if rendered.flavor == "job":
+        return yaml.safe_load((rendered.path / "k8s" / "job.yaml").read_text())
+    jobset = jobset_of(rendered)
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    name = f"{jobset['metadata']['name']}-{replicated['name']}-0"  # the JobSet's naming
+    metadata = {**replicated["template"]["metadata"], "name": name, "namespace": jobset["metadata"]["namespace"]}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": replicated["template"]["spec"]}
 
 
 def load_module(path, name):
@@ -110,8 +129,12 @@ def load_module(path, name):
 
 def test_exact_file_set(rendered):
     expected = {f.format(package=rendered.package) for f in EXPECTED_FILES}
-    if rendered.nodes > 1:
-        expected.add("k8s/service.yaml")  # names the pods of the Indexed Job
+    if rendered.flavor == "jobset":
+        expected.add("k8s/jobset.yaml")  # the JobSet names its pods itself: no Service
+    else:
+        expected.add("k8s/job.yaml")
+        if rendered.nodes > 1:
+            expected.add("k8s/service.yaml")  # names the pods of the Indexed Job
     assert files_of(rendered.path) == expected
 
 
@@ -139,13 +162,45 @@ def test_yaml_and_toml_parse(rendered):
 
 
 def test_manifests_pass_strict_kubernetes_validation(rendered):
-    manifests = sorted(str(p.relative_to(rendered.path)) for p in (rendered.path / "k8s").glob("*.yaml"))
+    manifests = sorted(str(p) for p in (rendered.path / "k8s").glob("*.yaml") if p.name != "jobset.yaml")
+    if rendered.flavor == "jobset":  # its Job template, checked as the Job the JobSet will make
+        inner = rendered.path.parent / f"{rendered.path.name}-jobset-job.yaml"
+        inner.write_text(yaml.safe_dump(job_of(rendered)))
+        manifests.append(str(inner))
     done = subprocess.run(
         [BIN / "kubernetes-validate", "--strict", "--kubernetes-version", "1.33.0", *manifests],
         cwd=rendered.path, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed") == len(manifests) == (3 if rendered.nodes > 1 else 2)
+    with_service = rendered.flavor == "job" and rendered.nodes > 1
+    assert done.stdout.count("passed") == len(manifests) == (3 if with_service else 2)
+
+
+def test_jobset_passes_its_crd_schema(rendered):
+    if rendered.flavor != "jobset":
+        assert not (rendered.path / "k8s" / "jobset.yaml").exists()
+        return
+    jobset = jobset_of(rendered)
+    jsonschema.validate(jobset, JOBSET_SCHEMA)
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1  # restarts every node's pod together
+    (rule,) = jobset["spec"]["failurePolicy"]["rules"]
+    assert rule["action"] == "FailJobSet" and rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert jobset["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+    assert job_of(rendered)["spec"]["backoffLimit"] == 0  # a failed pod fails its Job; the JobSet restarts
+
+
+def test_the_jobset_schema_refuses_what_the_crd_refuses():
+    """The shipped schema is not a pass-everything stub."""
+    valid = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {},
+             "spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {}}}]}}  # fmt: skip
+    jsonschema.validate(valid, JOBSET_SCHEMA)
+    for broken in (
+        {**valid, "spec": {**valid["spec"], "replicas": 2}},  # unknown field
+        {**valid, "spec": {"replicatedJobs": [{"name": "node"}]}},  # template is required
+        {**valid, "spec": {**valid["spec"], "failurePolicy": {"restartStrategy": "Sometimes"}}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, JOBSET_SCHEMA)
 
 
 def test_job_env_block_carries_the_profile(rendered):
@@ -174,8 +229,9 @@ def test_job_shape(rendered):
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
-    assert job["metadata"]["name"] == rendered.path.name
-    assert job["spec"]["backoffLimit"] >= 1
+    made_by_jobset = {"job": "", "jobset": "-node-0"}[rendered.flavor]  # <jobset>-<replicated job>-<index>
+    assert job["metadata"]["name"] == rendered.path.name + made_by_jobset
+    assert job["spec"]["backoffLimit"] >= (1 if rendered.flavor == "job" else 0)
     assert pod["restartPolicy"] == "Never"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == rendered.gpus
     args = container["args"]
@@ -193,28 +249,33 @@ def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
     job = job_of(rendered)
     name = job["metadata"]["name"]
     pod = job["spec"]["template"]["spec"]
-    if rendered.nodes == 1:  # one pod: a plain Job, no Service to name it
+    if rendered.nodes == 1:  # one pod: no Service to name it
         assert "subdomain" not in pod and not (rendered.path / "k8s" / "service.yaml").exists()
         return
     (container,) = pod["containers"]
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
     assert spec["completions"] == spec["parallelism"] == rendered.nodes
-    service = yaml.safe_load((rendered.path / "k8s" / "service.yaml").read_text())
-    assert service["kind"] == "Service" and service["metadata"]["name"] == pod["subdomain"]
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
-    assert service["spec"]["selector"] == {"job-name": name}
     args = container["args"]
     assert args[args.index("--nnodes") + 1] == str(rendered.nodes) and "--standalone" not in args
     env = {e["name"]: e for e in container["env"]}
-    assert env["RDZV_HOST"]["value"] == f"{name}-0.{service['metadata']['name']}"
+    if rendered.flavor == "jobset":  # the JobSet's own DNS: <jobset>-<replicated job>-0-0.<jobset>
+        jobset = jobset_of(rendered)["metadata"]["name"]
+        assert env["RDZV_HOST"]["value"] == f"{name}-0.{jobset}" and "subdomain" not in pod
+    else:
+        service = yaml.safe_load((rendered.path / "k8s" / "service.yaml").read_text())
+        assert service["kind"] == "Service" and service["metadata"]["name"] == pod["subdomain"]
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"] == {"job-name": name}
+        assert env["RDZV_HOST"]["value"] == f"{name}-0.{service['metadata']['name']}"
     index = env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     launch = container["command"][2]
     assert container["command"][:2] == ["/bin/sh", "-c"] and "exec torchrun" in launch
     assert "0) host=localhost" in launch and '--node-rank "$JOB_COMPLETION_INDEX"' in launch
     assert '--master-addr "$host"' in launch and env["RDZV_PORT"]["value"] == "29500"
-    assert spec["backoffLimit"] == 3 * rendered.nodes  # one failure takes down every node's pod
+    if rendered.flavor == "job":
+        assert spec["backoffLimit"] == 3 * rendered.nodes  # one failure takes down every node's pod
     claim = yaml.safe_load((rendered.path / "k8s" / "runs-pvc.yaml").read_text())
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes the shared run dir
 

@@ -70,13 +70,18 @@ def hosts() -> Iterator:
         pytest.skip("needs network namespaces or `unshare --mount` (root)")
 
 
-def rendered_container(out: Path) -> dict:
-    render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(out),
+def rendered_container(out: Path, flavor: str) -> dict:
+    """The trainer container of the pods, from a fresh render of k8s/ for NODES nodes."""
+    render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(out), f"deploy.flavor={flavor}",
               f"deploy.nodes={NODES}", f"deploy.gpus_per_node={GPUS}"]  # fmt: skip
     subprocess.run(render, check=True, capture_output=True)
-    job = yaml.safe_load((out / "job.yaml").read_text())
-    assert job["spec"]["completionMode"] == "Indexed"
-    (container,) = job["spec"]["template"]["spec"]["containers"]
+    if flavor == "jobset":
+        (replicated,) = yaml.safe_load((out / "jobset.yaml").read_text())["spec"]["replicatedJobs"]
+        job_spec = replicated["template"]["spec"]
+    else:
+        job_spec = yaml.safe_load((out / "job.yaml").read_text())["spec"]
+    assert job_spec["completionMode"] == "Indexed"
+    (container,) = job_spec["template"]["spec"]["containers"]
     return container
 
 
@@ -97,9 +102,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(hosts, tmp_path: Path, run_dir: Path, *overrides: str) -> list[subprocess.Popen]:
+def launch_nodes(
+    hosts, flavor: str, tmp_path: Path, run_dir: Path, *overrides: str
+) -> list[subprocess.Popen]:
     """Every node of the Job, started with the manifest's command, args and env."""
-    container = rendered_container(tmp_path / "k8s")
+    container = rendered_container(tmp_path / "k8s", flavor)
     env = {variable["name"]: variable.get("value") for variable in container["env"]}
     args = [
         f"hydra.run.dir={run_dir}" if a.startswith("hydra.run.dir=") else a
@@ -119,9 +126,12 @@ def launch_nodes(hosts, tmp_path: Path, run_dir: Path, *overrides: str) -> list[
     ]
 
 
-def test_the_jobs_launch_line_trains_on_two_nodes(hosts, tmp_path):
+@pytest.mark.parametrize("flavor", ["job", "jobset"])
+def test_the_jobs_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     run_dir = tmp_path / "run"
-    nodes = launch_nodes(hosts, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10")
+    nodes = launch_nodes(
+        hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10"
+    )
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
@@ -140,7 +150,7 @@ def test_a_lost_node_fails_the_others_fast_and_a_relaunch_resumes(hosts, tmp_pat
 
     run_dir = tmp_path / "run"
     steps = ("trainer.max_steps=3000", "trainer.log_every=100", "trainer.checkpoint_every=200")
-    nodes = launch_nodes(hosts, tmp_path, run_dir, *steps, "dist.timeout_s=15")
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=15")
     try:
         deadline = time.monotonic() + 180
         while not list((run_dir / "checkpoints").glob("step_*.pt")):
@@ -167,7 +177,7 @@ def test_a_lost_node_fails_the_others_fast_and_a_relaunch_resumes(hosts, tmp_pat
                 node.kill()
             node.communicate()
 
-    relaunched = launch_nodes(hosts, tmp_path, run_dir, *steps)
+    relaunched = launch_nodes(hosts, "job", tmp_path, run_dir, *steps)
     outputs = [node.communicate(timeout=300)[0] for node in relaunched]
     for node, output in zip(relaunched, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]

@@ -194,6 +194,11 @@ class NcclConfig:
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
+class Flavor(Enum):
+    job = "job"  # batch/v1 Job, and a headless Service for several nodes: no operator needed
+    jobset = "jobset"  # a JobSet (jobset.x-k8s.io): restarts every node's pod together
+
+
 @dataclass
 class DeployConfig:
     """What k8s.py renders into k8s/: the image, where it runs, and the shape of the job."""
@@ -201,6 +206,7 @@ class DeployConfig:
     name: str = "ddp-project"
     image: str = "ddp-project:latest"
     namespace: str = "default"
+    flavor: Flavor = Flavor.job
     nodes: int = 1
     gpus_per_node: int = 1
     rdzv_port: int = 29500

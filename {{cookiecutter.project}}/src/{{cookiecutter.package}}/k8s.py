@@ -34,6 +34,7 @@ MULTI_NODE_LAUNCH = (
     'case "$JOB_COMPLETION_INDEX" in 0) host=localhost ;; *) host="$RDZV_HOST" ;; esac; '
     'exec torchrun --node-rank "$JOB_COMPLETION_INDEX" --master-addr "$host" --master-port "$RDZV_PORT" "$@"'
 )
+REPLICATED_JOB = "node"  # a JobSet's one replicated Job: its pods are the nodes
 LOCKED_DOWN = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
@@ -56,6 +57,15 @@ def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "training"}
 
 
+def rendezvous_host(deploy: Mapping[str, Any]) -> str:
+    """Pod 0's DNS name: <job>-0.<service> for a Job; a JobSet names its pods
+    <jobset>-<replicated job>-<job index>-<pod index> under the subdomain <jobset>."""
+    name = deploy["name"]
+    if deploy["flavor"] == "jobset":
+        return f"{name}-{REPLICATED_JOB}-0-0.{name}"
+    return f"{name}-0.{name}"
+
+
 def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
     name, nodes, gpus = deploy["name"], deploy["nodes"], deploy["gpus_per_node"]
     train = ["-m", f"{PACKAGE}.train", f"hydra.run.dir={RUNS_MOUNT}/{name}"]
@@ -71,7 +81,7 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
         index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         variables += [
             {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index}}},
-            {"name": "RDZV_HOST", "value": f"{name}-0.{name}"},  # pod 0, through the Service
+            {"name": "RDZV_HOST", "value": rendezvous_host(deploy)},  # pod 0, through DNS
             {"name": "RDZV_PORT", "value": str(deploy["rdzv_port"])},
         ]
     return {
@@ -89,9 +99,8 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
     }
 
 
-def job(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
-    name, nodes = deploy["name"], deploy["nodes"]
-    pod: dict[str, Any] = {
+def pod_spec(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
+    return {
         "restartPolicy": "Never",  # required by podFailurePolicy; a new pod resumes the run
         # SIGTERM first: every rank stops at one step and rank 0 checkpoints; torchrun gives
         # its workers 30 s, and this leaves the container time to report.
@@ -115,12 +124,17 @@ def job(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
         "volumes": [
             # The container default of 64 MiB breaks NCCL's SHM transport and DataLoader workers.
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": deploy["shm_size"]}},
-            {"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}},
+            {"name": "runs", "persistentVolumeClaim": {"claimName": f"{deploy['name']}-runs"}},
         ],
     }
+
+
+def job_spec(deploy: Mapping[str, Any], env: Mapping[str, str], backoff_limit: int) -> dict:
+    """One pod per node (Indexed when there are several), failing fast on a config error."""
+    name, nodes = deploy["name"], deploy["nodes"]
+    pod = pod_spec(deploy, env)
     spec: dict[str, Any] = {
-        # A failure on one node fails the pods of every node: count retries per failure.
-        "backoffLimit": deploy["backoff_limit"] * nodes,
+        "backoffLimit": backoff_limit,
         "podFailurePolicy": {
             "rules": [
                 {
@@ -140,13 +154,56 @@ def job(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
     }
     if nodes > 1:
         spec |= {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes}
-        pod["subdomain"] = name  # pods are <name>-<index>.<name>: the headless Service's DNS
+        if deploy["flavor"] == "job":  # a JobSet sets the subdomain of its pods itself
+            pod["subdomain"] = name  # pods are <name>-<index>.<name>: the headless Service
     spec["template"] = {"metadata": {"labels": labels(name)}, "spec": pod}
+    return spec
+
+
+def job(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
+    name = deploy["name"]
+    # A failure on one node fails the pods of every node: count retries per failure.
+    spec = job_spec(deploy, env, backoff_limit=deploy["backoff_limit"] * deploy["nodes"])
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": deploy["namespace"], "labels": labels(name)},
         "spec": spec,
+    }
+
+
+def jobset(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
+    """The same pods in a JobSet: any failed pod fails its Job, and the JobSet then recreates
+    every node's pod, which all resume from the newest checkpoint."""
+    name = deploy["name"]
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": deploy["namespace"], "labels": labels(name)},
+        "spec": {
+            "failurePolicy": {
+                "maxRestarts": deploy["backoff_limit"],
+                # the Job failed through its podFailurePolicy: a config error, not worth a restart
+                "rules": [
+                    {
+                        "name": "ConfigError",
+                        "action": "FailJobSet",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                    }
+                ],  # fmt: skip
+            },
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": {
+                        "metadata": {"labels": labels(name)},
+                        "spec": job_spec(deploy, env, backoff_limit=0),
+                    },
+                }
+            ],
+        },
     }
 
 
@@ -193,6 +250,8 @@ def headers(deploy: Mapping[str, Any]) -> dict[str, str]:
     )
     return {
         "job.yaml": shape + f"#   kubectl apply -f k8s/ && kubectl logs -f job/{name}\n",
+        "jobset.yaml": shape + "# Needs the JobSet controller (jobset.x-k8s.io).\n"
+        f"#   kubectl apply -f k8s/ && kubectl logs -f -l jobset.sigs.k8s.io/jobset-name={name}\n",
         "service.yaml": "# The headless Service that names each pod of the Indexed Job: "
         f"{name}-<index>.{name}\n",
         "runs-pvc.yaml": "# Storage for run dirs (logs, metrics, checkpoints) that outlives any one pod.\n",
@@ -201,9 +260,13 @@ def headers(deploy: Mapping[str, Any]) -> dict[str, str]:
 
 def manifests(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
     """File name -> YAML text, for k8s/."""
-    objects = {"job.yaml": job(deploy, env), "runs-pvc.yaml": runs_claim(deploy)}
-    if deploy["nodes"] > 1:
-        objects["service.yaml"] = service(deploy)
+    objects = {"runs-pvc.yaml": runs_claim(deploy)}
+    if deploy["flavor"] == "jobset":
+        objects["jobset.yaml"] = jobset(deploy, env)
+    else:
+        objects["job.yaml"] = job(deploy, env)
+        if deploy["nodes"] > 1:
+            objects["service.yaml"] = service(deploy)
     notes = headers(deploy)
     return {
         file: GENERATED.format(package=PACKAGE)
