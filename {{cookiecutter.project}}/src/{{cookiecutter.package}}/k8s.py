@@ -57,6 +57,15 @@ def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "training"}
 
 
+def resource(
+    api_version: str, kind: str, deploy: Mapping[str, Any], spec: dict, suffix: str = ""
+) -> dict:
+    """A namespaced object of this project, named <deploy.name><suffix>."""
+    name = deploy["name"]
+    metadata = {"name": name + suffix, "namespace": deploy["namespace"], "labels": labels(name)}
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, "spec": spec}
+
+
 def rendezvous_host(deploy: Mapping[str, Any]) -> str:
     """Pod 0's DNS name: <job>-0.<service> for a Job; a JobSet names its pods
     <jobset>-<replicated job>-<job index>-<pod index> under the subdomain <jobset>."""
@@ -161,83 +170,58 @@ def job_spec(deploy: Mapping[str, Any], env: Mapping[str, str], backoff_limit: i
 
 
 def job(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
-    name = deploy["name"]
     # A failure on one node fails the pods of every node: count retries per failure.
     spec = job_spec(deploy, env, backoff_limit=deploy["backoff_limit"] * deploy["nodes"])
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": deploy["namespace"], "labels": labels(name)},
-        "spec": spec,
-    }
+    return resource("batch/v1", "Job", deploy, spec)
 
 
 def jobset(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
     """The same pods in a JobSet: any failed pod fails its Job, and the JobSet then recreates
     every node's pod, which all resume from the newest checkpoint."""
-    name = deploy["name"]
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name, "namespace": deploy["namespace"], "labels": labels(name)},
-        "spec": {
-            "failurePolicy": {
-                "maxRestarts": deploy["backoff_limit"],
-                # the Job failed through its podFailurePolicy: a config error, not worth a restart
-                "rules": [
-                    {
-                        "name": "ConfigError",
-                        "action": "FailJobSet",
-                        "onJobFailureReasons": ["PodFailurePolicy"],
-                    }
-                ],  # fmt: skip
-            },
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "replicatedJobs": [
+    spec = {
+        "failurePolicy": {
+            "maxRestarts": deploy["backoff_limit"],
+            # the Job failed through its podFailurePolicy: a config error, not worth a restart
+            "rules": [
                 {
-                    "name": REPLICATED_JOB,
-                    "replicas": 1,
-                    "template": {
-                        "metadata": {"labels": labels(name)},
-                        "spec": job_spec(deploy, env, backoff_limit=0),
-                    },
+                    "name": "ConfigError",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
                 }
             ],
         },
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "replicatedJobs": [
+            {
+                "name": REPLICATED_JOB,
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": labels(deploy["name"])},
+                    "spec": job_spec(deploy, env, backoff_limit=0),
+                },
+            }
+        ],
     }
+    return resource("jobset.x-k8s.io/v1alpha2", "JobSet", deploy, spec)
 
 
 def service(deploy: Mapping[str, Any]) -> dict:
-    name = deploy["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": deploy["namespace"], "labels": labels(name)},
-        "spec": {
-            "clusterIP": "None",  # headless: one DNS name per pod, no proxy
-            "publishNotReadyAddresses": True,  # the names resolve before any pod is ready
-            "selector": {"job-name": name},
-            "ports": [{"name": "rendezvous", "port": deploy["rdzv_port"]}],
-        },
+    spec = {
+        "clusterIP": "None",  # headless: one DNS name per pod, no proxy
+        "publishNotReadyAddresses": True,  # the names resolve before any pod is ready
+        "selector": {"job-name": deploy["name"]},
+        "ports": [{"name": "rendezvous", "port": deploy["rdzv_port"]}],
     }
+    return resource("v1", "Service", deploy, spec)
 
 
 def runs_claim(deploy: Mapping[str, Any]) -> dict:
-    name = deploy["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": f"{name}-runs",
-            "namespace": deploy["namespace"],
-            "labels": labels(name),
-        },
-        "spec": {
-            # Several nodes share the run dir: the storage class must offer ReadWriteMany.
-            "accessModes": ["ReadWriteOnce" if deploy["nodes"] == 1 else "ReadWriteMany"],
-            "resources": {"requests": {"storage": deploy["runs_storage"]}},
-        },
+    spec = {
+        # Several nodes share the run dir: the storage class must offer ReadWriteMany.
+        "accessModes": ["ReadWriteOnce" if deploy["nodes"] == 1 else "ReadWriteMany"],
+        "resources": {"requests": {"storage": deploy["runs_storage"]}},
     }
+    return resource("v1", "PersistentVolumeClaim", deploy, spec, suffix="-runs")
 
 
 def headers(deploy: Mapping[str, Any]) -> dict[str, str]:
@@ -316,7 +300,6 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from {{ cookiecutter.package }} import check
-    from {{ cookiecutter.package }}.config import exit_with_error
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -325,10 +308,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    problem = check.config_problem(args.overrides)
-    if problem:
-        exit_with_error(f"config error: {problem}")
-    cfg = check.load_config(args.overrides)
+    cfg = check.load_or_exit(args.overrides)
     deploy = OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
     profile = OmegaConf.to_container(OmegaConf.structured(cfg.nccl), enum_to_str=True)
     rendered = manifests(deploy, nccl_env(profile))
