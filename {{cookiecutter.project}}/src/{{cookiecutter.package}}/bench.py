@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from {{ cookiecutter.package }} import check, doctor, nccl, probe
-from {{ cookiecutter.package }}.config import TrainConfig, exit_with_error, uses_cuda
+from {{ cookiecutter.package }}.config import TrainConfig, uses_cuda
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.train import AUTOCAST
 
@@ -150,9 +150,10 @@ def gradient_allreduce(
     }
 
 
-def bench(overrides: list[str], nproc: int, warmup: int, steps: int, timeout_s: float) -> dict:
+def bench(
+    cfg: TrainConfig, overrides: list[str], nproc: int, warmup: int, steps: int, timeout_s: float
+) -> dict:
     cuda = torch.cuda.is_available()
-    cfg = check.load_config(overrides)
     profile = check.choice("nccl", overrides)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
@@ -267,11 +268,9 @@ def main() -> int:
         return 0
     nproc = probe.gpu_count() if torch.cuda.is_available() else 2
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as train will see it
-    problem = check.config_problem(args.overrides)
-    if problem:
-        exit_with_error(f"config error: {problem}")
+    cfg = check.load_or_exit(args.overrides)
     try:
-        report = bench(args.overrides, nproc, warmup, steps, args.timeout_s)
+        report = bench(cfg, args.overrides, nproc, warmup, steps, args.timeout_s)
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from {{ cookiecutter.package }}.config import (
     ConfigError,
     TrainConfig,
+    exit_with_error,
     register_configs,
     to_train_config,
 )
@@ -73,15 +74,28 @@ def choice(group: str, overrides: list[str]) -> str:
     return cfg.hydra.runtime.choices[group]
 
 
+CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
+
+
+def describe(err: Exception) -> str:
+    return str(err) if isinstance(err, ConfigError) else one_line(err)
+
+
 def config_problem(overrides: list[str]) -> str | None:
     """None if the config composed with `overrides` is valid, else one line naming the key."""
     try:
         load_config(overrides)
-    except ConfigError as err:
-        return str(err)
-    except (HydraException, OmegaConfBaseException) as err:
-        return one_line(err)
+    except CONFIG_ERRORS as err:
+        return describe(err)
     return None
+
+
+def load_or_exit(overrides: list[str]) -> TrainConfig:
+    """The checked config, or one `config error:` line and exit 2 (config.exit_with_error)."""
+    try:
+        return load_config(overrides)
+    except CONFIG_ERRORS as err:
+        exit_with_error(f"config error: {describe(err)}")
 
 
 def main() -> int:

@@ -384,9 +384,7 @@ def cli() -> None:
     """Check the config first: a bad value stops every rank in one line, before any run dir."""
     overrides = sys.argv[1:]
     if not any(arg.startswith("-") for arg in overrides):  # --cfg, --help, -m: Hydra's own modes
-        problem = check.config_problem(overrides)
-        if problem:
-            exit_with_error(f"config error: {problem}")
+        check.load_or_exit(overrides)
     main()
 
 
