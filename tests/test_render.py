@@ -25,8 +25,12 @@ MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1, "job") for profil
     ("auto", 4, "sixteen-nodes", 16, "job"),
     ("infiniband", 8, "jobset-two-nodes", 2, "jobset"),
     ("auto", 2, "jobset-one-node", 1, "jobset"),
+    ("infiniband", 8, "pytorchjob-two-nodes", 2, "pytorchjob"),
+    ("auto", 1, "pytorchjob-one-node", 1, "pytorchjob"),
 ]
-JOBSET_SCHEMA = json.loads((Path(__file__).parent / "data" / "jobset.x-k8s.io_v1alpha2.schema.json").read_text())
+DATA = Path(__file__).parent / "data"
+JOBSET_SCHEMA = json.loads((DATA / "jobset.x-k8s.io_v1alpha2.schema.json").read_text())
+PYTORCHJOB_SCHEMA = json.loads((DATA / "kubeflow.org_v1_pytorchjob.schema.json").read_text())
 
 EXPECTED_FILES = {
     ".dockerignore",
@@ -104,19 +108,27 @@ def files_of(path):
     return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
 
 
-def jobset_of(rendered) -> dict:
-    return yaml.safe_load((rendered.path / "k8s" / "jobset.yaml").read_text())
+def manifest_of(rendered) -> dict:
+    """k8s/job.yaml, jobset.yaml or pytorchjob.yaml."""
+    return yaml.safe_load((rendered.path / "k8s" / f"{rendered.flavor}.yaml").read_text())
 
 
 def job_of(rendered) -> dict:
     """The batch/v1 Job: k8s/job.yaml, or the one a JobSet's replicated Job makes."""
     if rendered.flavor == "job":
-        return yaml.safe_load((rendered.path / "k8s" / "job.yaml").read_text())
-    jobset = jobset_of(rendered)
+        return manifest_of(rendered)
+    jobset = manifest_of(rendered)
     (replicated,) = jobset["spec"]["replicatedJobs"]
     name = f"{jobset['metadata']['name']}-{replicated['name']}-0"  # the JobSet's naming
     metadata = {**replicated["template"]["metadata"], "name": name, "namespace": jobset["metadata"]["namespace"]}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": replicated["template"]["spec"]}
+
+
+def pod_template_of(rendered) -> dict:
+    """The pod template of every node's pod, whichever object holds it."""
+    if rendered.flavor == "pytorchjob":
+        return manifest_of(rendered)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    return job_of(rendered)["spec"]["template"]
 
 
 def load_module(path, name):
@@ -129,12 +141,9 @@ def load_module(path, name):
 
 def test_exact_file_set(rendered):
     expected = {f.format(package=rendered.package) for f in EXPECTED_FILES}
-    if rendered.flavor == "jobset":
-        expected.add("k8s/jobset.yaml")  # the JobSet names its pods itself: no Service
-    else:
-        expected.add("k8s/job.yaml")
-        if rendered.nodes > 1:
-            expected.add("k8s/service.yaml")  # names the pods of the Indexed Job
+    expected.add(f"k8s/{rendered.flavor}.yaml")
+    if rendered.flavor == "job" and rendered.nodes > 1:
+        expected.add("k8s/service.yaml")  # names the pods of the Indexed Job; the controllers do it themselves
     assert files_of(rendered.path) == expected
 
 
@@ -162,10 +171,15 @@ def test_yaml_and_toml_parse(rendered):
 
 
 def test_manifests_pass_strict_kubernetes_validation(rendered):
-    manifests = sorted(str(p) for p in (rendered.path / "k8s").glob("*.yaml") if p.name != "jobset.yaml")
-    if rendered.flavor == "jobset":  # its Job template, checked as the Job the JobSet will make
-        inner = rendered.path.parent / f"{rendered.path.name}-jobset-job.yaml"
-        inner.write_text(yaml.safe_dump(job_of(rendered)))
+    custom = {"jobset.yaml", "pytorchjob.yaml"}  # their CRD schemas: the tests below
+    manifests = sorted(str(p) for p in (rendered.path / "k8s").glob("*.yaml") if p.name not in custom)
+    if rendered.flavor != "job":  # what the controller makes: a Job, or pods from a pod template
+        pods = job_of(rendered) if rendered.flavor == "jobset" else {
+            "apiVersion": "v1", "kind": "PodTemplate", "template": pod_template_of(rendered),
+            "metadata": {"name": rendered.path.name, "namespace": "default"},
+        }  # fmt: skip
+        inner = rendered.path.parent / f"{rendered.path.name}-{rendered.flavor}-pods.yaml"
+        inner.write_text(yaml.safe_dump(pods))
         manifests.append(str(inner))
     done = subprocess.run(
         [BIN / "kubernetes-validate", "--strict", "--kubernetes-version", "1.33.0", *manifests],
@@ -180,7 +194,7 @@ def test_jobset_passes_its_crd_schema(rendered):
     if rendered.flavor != "jobset":
         assert not (rendered.path / "k8s" / "jobset.yaml").exists()
         return
-    jobset = jobset_of(rendered)
+    jobset = manifest_of(rendered)
     jsonschema.validate(jobset, JOBSET_SCHEMA)
     assert jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1  # restarts every node's pod together
     (rule,) = jobset["spec"]["failurePolicy"]["rules"]
@@ -203,8 +217,50 @@ def test_the_jobset_schema_refuses_what_the_crd_refuses():
             jsonschema.validate(broken, JOBSET_SCHEMA)
 
 
+def test_pytorchjob_passes_its_crd_schema_and_the_operators_rules(rendered):
+    if rendered.flavor != "pytorchjob":
+        assert not (rendered.path / "k8s" / "pytorchjob.yaml").exists()
+        return
+    job = manifest_of(rendered)
+    jsonschema.validate(job, PYTORCHJOB_SCHEMA)
+    spec = job["spec"]
+    # The operator's webhook (kubeflow/trainer pkg/webhooks/pytorch/pytorchjob_webhook.go) and
+    # pod setup: replica types Master or Worker, a container named pytorch holding the port.
+    assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}  # worker 0 hosts the rendezvous
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == rendered.nodes and worker["restartPolicy"] == "OnFailure"
+    pod = worker["template"]["spec"]
+    assert pod["restartPolicy"] == worker["restartPolicy"]  # else the operator overrides it, warning
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch"
+    assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500}]
+    # torchrun's c10d rendezvous from the operator's PET_* env: a fixed world, restarts in place
+    policy = spec["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and policy["rdzvPort"] == 29500
+    assert policy["minReplicas"] == policy["maxReplicas"] == rendered.nodes
+    assert policy["maxRestarts"] == 3 and spec["nprocPerNode"] == str(rendered.gpus)
+    assert spec["runPolicy"] == {"backoffLimit": 3 * rendered.nodes, "cleanPodPolicy": "Running"}
+    args = container["args"]
+    assert container["command"] == ["torchrun"] and args[:2] == ["--nproc-per-node", str(rendered.gpus)]
+    assert not {"--nnodes", "--standalone", "--rdzv-endpoint"} & set(args)  # the operator's to set
+
+
+def test_the_pytorchjob_schema_refuses_what_the_crd_refuses():
+    valid = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {},
+             "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {}}}}}  # fmt: skip
+    jsonschema.validate(valid, PYTORCHJOB_SCHEMA)
+    for broken in (
+        {**valid, "spec": {**valid["spec"], "replicas": 2}},  # unknown field
+        {**valid, "spec": {"nprocPerNode": "2"}},  # pytorchReplicaSpecs is required
+        {**valid, "spec": {**valid["spec"], "nprocPerNode": 2}},  # a string in the CRD
+        {**valid, "spec": {**valid["spec"], "runPolicy": {"cleanPodPolicy": "Running", "ttl": 1}}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, PYTORCHJOB_SCHEMA)
+
+
 def test_job_env_block_carries_the_profile(rendered):
-    (container,) = job_of(rendered)["spec"]["template"]["spec"]["containers"]
+    (container,) = pod_template_of(rendered)["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NCCL_")}
     assert env == PROFILE_ENV[rendered.profile]
 
@@ -224,28 +280,35 @@ def test_train_yaml_defaults_to_the_chosen_profile(rendered):
     assert {"nccl": rendered.profile} in defaults
 
 
-def test_job_shape(rendered):
-    job = job_of(rendered)
-    pod = job["spec"]["template"]["spec"]
+def test_pod_shape(rendered):
+    pod = pod_template_of(rendered)["spec"]
     (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == rendered.gpus
+    args = container["args"]
+    assert args[args.index("--nproc-per-node") + 1] == str(rendered.gpus)
+    assert args[args.index("-m") + 1] == f"{rendered.package}.train"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarted workers need a fresh store
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    if rendered.flavor == "pytorchjob":
+        return  # its own test above
+    job = job_of(rendered)
     assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
     made_by_jobset = {"job": "", "jobset": "-node-0"}[rendered.flavor]  # <jobset>-<replicated job>-<index>
     assert job["metadata"]["name"] == rendered.path.name + made_by_jobset
     assert job["spec"]["backoffLimit"] >= (1 if rendered.flavor == "job" else 0)
     assert pod["restartPolicy"] == "Never"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == rendered.gpus
-    args = container["args"]
-    assert args[args.index("--nproc-per-node") + 1] == str(rendered.gpus)
-    assert args[args.index("-m") + 1] == f"{rendered.package}.train"
+    assert args[args.index("--max-restarts") + 1] == "3"
     if rendered.nodes == 1:
         assert container["command"] == ["torchrun"] and "--standalone" in args
         assert "completionMode" not in job["spec"]
-    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
-    assert shm["emptyDir"]["medium"] == "Memory"
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
 def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
+    if rendered.flavor == "pytorchjob":
+        return  # the operator names the pods and wires up the rendezvous
     job = job_of(rendered)
     name = job["metadata"]["name"]
     pod = job["spec"]["template"]["spec"]
@@ -260,7 +323,7 @@ def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
     assert args[args.index("--nnodes") + 1] == str(rendered.nodes) and "--standalone" not in args
     env = {e["name"]: e for e in container["env"]}
     if rendered.flavor == "jobset":  # the JobSet's own DNS: <jobset>-<replicated job>-0-0.<jobset>
-        jobset = jobset_of(rendered)["metadata"]["name"]
+        jobset = manifest_of(rendered)["metadata"]["name"]
         assert env["RDZV_HOST"]["value"] == f"{name}-0.{jobset}" and "subdomain" not in pod
     else:
         service = yaml.safe_load((rendered.path / "k8s" / "service.yaml").read_text())
@@ -272,8 +335,11 @@ def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
     assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     launch = container["command"][2]
     assert container["command"][:2] == ["/bin/sh", "-c"] and "exec torchrun" in launch
-    assert "0) host=localhost" in launch and '--node-rank "$JOB_COMPLETION_INDEX"' in launch
-    assert '--master-addr "$host"' in launch and env["RDZV_PORT"]["value"] == "29500"
+    assert "0) host=localhost" in launch  # pod 0's torchrun hosts the c10d rendezvous
+    assert '--rdzv-backend c10d --rdzv-endpoint "$host:$RDZV_PORT"' in launch
+    assert env["RDZV_PORT"]["value"] == "29500" and args[args.index("--rdzv-id") + 1] == rendered.path.name
+    assert '--local-addr "$POD_IP"' in launch
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     if rendered.flavor == "job":
         assert spec["backoffLimit"] == 3 * rendered.nodes  # one failure takes down every node's pod
     claim = yaml.safe_load((rendered.path / "k8s" / "runs-pvc.yaml").read_text())
@@ -281,13 +347,13 @@ def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
 
 
 def test_job_survives_preemption_and_fails_fast_on_config_errors(rendered):
-    job = job_of(rendered)
-    pod = job["spec"]["template"]["spec"]
+    pod = pod_template_of(rendered)["spec"]
     (container,) = pod["containers"]
-    rules = job["spec"]["podFailurePolicy"]["rules"]
-    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
-    (fail,) = [r for r in rules if r["action"] == "FailJob"]
-    assert fail["onExitCodes"] == {"containerName": "check-config", "operator": "In", "values": [2]}
+    if rendered.flavor != "pytorchjob":  # the operator has no podFailurePolicy: see its own test
+        rules = job_of(rendered)["spec"]["podFailurePolicy"]["rules"]
+        assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+        (fail,) = [r for r in rules if r["action"] == "FailJob"]
+        assert fail["onExitCodes"] == {"containerName": "check-config", "operator": "In", "values": [2]}
     (check,) = pod["initContainers"]
     assert check["name"] == "check-config" and check["command"] == ["python", "-m", f"{rendered.package}.check"]
     assert pod["terminationGracePeriodSeconds"] >= 60  # torchrun's own 30 s for workers to checkpoint, and more
@@ -299,7 +365,7 @@ def test_job_survives_preemption_and_fails_fast_on_config_errors(rendered):
 
 
 def test_pod_is_locked_down(rendered):
-    pod = job_of(rendered)["spec"]["template"]["spec"]
+    pod = pod_template_of(rendered)["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -52,8 +52,9 @@ def wait_for_metrics(launcher: subprocess.Popen, run_dir: Path, timeout_s: float
         time.sleep(0.2)
 
 
-def worker_pid(launcher_pid: int, rank: int) -> int | None:
-    """The torchrun worker with RANK=rank among the launcher's children (from /proc)."""
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK -> pid of the torchrun workers among the launcher's children (from /proc)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -62,9 +63,14 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
+        ranks = [item[len(b"RANK=") :] for item in environ if item.startswith(b"RANK=")]
+        if parent == launcher_pid and ranks:
+            found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    return worker_pids(launcher_pid).get(rank)
 
 
 def hang_one_rank(

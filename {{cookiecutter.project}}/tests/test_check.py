@@ -53,6 +53,11 @@ BAD = [
     ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* variable names"),
     ("nccl.env.NCCL_P2P_DISABLE=1", "nccl.env.NCCL_P2P_DISABLE: no such key"),
     ("trainer.max_steps", "Error parsing override 'trainer.max_steps'"),
+    ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 or more"),
+    (
+        "deploy.flavor=mpijob",
+        "deploy.flavor: Invalid value 'mpijob', expected one of [job, jobset, pytorchjob]",
+    ),
 ]
 
 

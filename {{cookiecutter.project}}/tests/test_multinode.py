@@ -1,26 +1,44 @@
-"""The Indexed Job's own launch line, run as 2 nodes x 2 processes on this machine (CPU, gloo).
+"""The manifests' own launch lines, run as 2 nodes x 2 processes on this machine (CPU, gloo).
 
-Each "node" is a process tree started with the container's command, args and env from the
-rendered manifest, and JOB_COMPLETION_INDEX as the Job controller would set it. Two network
-namespaces joined by a veth pair act as two hosts, each with an /etc/hosts that names pod 0's
-Service address; where namespaces cannot be made, a private mount namespace maps that name to
-the loopback address instead.
+Each "node" is a process tree started with the trainer container's command, args and env from a
+fresh render of k8s/, plus what Kubernetes adds: the pod's hostname, JOB_COMPLETION_INDEX and
+POD_IP for a Job or JobSet, and the training operator's PET_* variables for a PyTorchJob. Two
+network namespaces joined by a veth pair act as two hosts, each with an /etc/hosts that holds the
+pods' DNS names; where namespaces cannot be made, private mount and UTS namespaces give each
+node its own loopback address and hostname instead.
 """
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
 import yaml
-from conftest import PACKAGE, read_metrics, worker_pid
+from conftest import PACKAGE, read_metrics, worker_pids
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
+STEPS = ("trainer.max_steps=3000", "trainer.log_every=100", "trainer.checkpoint_every=200")
+# What the pods of each flavor are called, and the DNS name of pod i (Kubernetes' naming).
+POD_NAMES = {
+    "job": lambda name, i: (f"{name}-{i}", f"{name}-{i}.{name}"),
+    "jobset": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),
+    "pytorchjob": lambda name, i: (f"{name}-worker-{i}",),  # the operator's Service per pod
+}
+SET_HOSTNAME = 'hostname "$0" && exec "$@"'
+
+
+class Host(NamedTuple):
+    prefix: list[str]  # runs a command on this host, under its pod's hostname
+    address: str  # the pod IP
 
 
 def allowed(*command: str) -> bool:
@@ -30,69 +48,117 @@ def allowed(*command: str) -> bool:
     )
 
 
+def hosts_file(names: list[tuple[str, ...]], addresses: list[str]) -> str:
+    lines = ["127.0.0.1 localhost"] + [
+        f"{address} {' '.join(aliases)}" for address, aliases in zip(addresses, names, strict=True)
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @pytest.fixture(scope="module")
 def hosts() -> Iterator:
-    """hosts(service_name) -> one command prefix per node, under which that name reaches node 0."""
-    names = [f"ddp{os.getpid()}n{i}" for i in range(NODES)]
-    if allowed("ip", "netns", "add", names[0]):
-        subprocess.run(["ip", "netns", "add", names[1]], check=True)
+    """hosts(names) -> one Host per node; names[i] are node i's hostname, then its other DNS names."""
+    netns = [f"ddp{os.getpid()}n{i}" for i in range(NODES)]
+    if allowed("ip", "netns", "add", netns[0]):
+        subprocess.run(["ip", "netns", "add", netns[1]], check=True)
         veth = [f"v{os.getpid() % 100000}n{i}" for i in range(NODES)]
-        subprocess.run(["ip", "link", "add", veth[0], "netns", names[0], "type", "veth",
-                        "peer", "name", veth[1], "netns", names[1]], check=True)  # fmt: skip
-        for i, name in enumerate(names):
-            for step in (["addr", "add", f"{SUBNET}.{i + 1}/24", "dev", veth[i]],
+        subprocess.run(["ip", "link", "add", veth[0], "netns", netns[0], "type", "veth",
+                        "peer", "name", veth[1], "netns", netns[1]], check=True)  # fmt: skip
+        addresses = [f"{SUBNET}.{i + 1}" for i in range(NODES)]
+        for i, ns in enumerate(netns):
+            for step in (["addr", "add", f"{addresses[i]}/24", "dev", veth[i]],
                          ["link", "set", veth[i], "up"], ["link", "set", "lo", "up"]):  # fmt: skip
-                subprocess.run(["ip", "-n", name, *step], check=True)
+                subprocess.run(["ip", "-n", ns, *step], check=True)
 
-        def two_hosts(service: str) -> list[list[str]]:
-            for i, name in enumerate(names):  # `ip netns exec` mounts these over /etc/hosts
-                (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
-                (Path("/etc/netns") / name / "hosts").write_text(
-                    f"127.0.0.1 localhost\n{SUBNET}.{i + 1} {socket.gethostname()}\n"
-                    f"{SUBNET}.1 {service}\n"
-                )
-            return [["ip", "netns", "exec", name] for name in names]
+        def two_hosts(names: list[tuple[str, ...]]) -> list[Host]:
+            for ns in netns:  # `ip netns exec` mounts this over /etc/hosts
+                (Path("/etc/netns") / ns).mkdir(parents=True, exist_ok=True)
+                (Path("/etc/netns") / ns / "hosts").write_text(hosts_file(names, addresses))
+            return [
+                Host(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        SET_HOSTNAME,
+                        names[i][0],
+                    ],
+                    addresses[i],
+                )  # fmt: skip
+                for i, ns in enumerate(netns)
+            ]
 
         yield two_hosts
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-    elif allowed("unshare", "--mount", "sh", "-c", "mount --bind /etc/hosts /etc/hosts"):
+        for ns in netns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+    elif allowed("unshare", "--mount", "--uts", "sh", "-c", "mount --bind /etc/hosts /etc/hosts"):
 
-        def loopback(service: str) -> list[list[str]]:
+        def loopback(names: list[tuple[str, ...]]) -> list[Host]:
+            addresses = [f"127.0.0.{i + 1}" for i in range(NODES)]  # all of 127/8 is loopback
             private = Path(f"/tmp/ddp-hosts-{os.getpid()}")
-            private.write_text(Path("/etc/hosts").read_text() + f"\n127.0.0.1 {service}\n")
-            mount = 'mount --bind "$0" /etc/hosts && exec "$@"'
-            return [["unshare", "--mount", "sh", "-c", mount, str(private)]] * NODES
+            private.write_text(hosts_file(names, addresses))
+            setup = f"mount --bind {private} /etc/hosts && {SET_HOSTNAME}"
+            return [
+                Host(["unshare", "--mount", "--uts", "sh", "-c", setup, names[i][0]], addresses[i])
+                for i in range(NODES)
+            ]
 
         yield loopback
     else:
-        pytest.skip("needs network namespaces or `unshare --mount` (root)")
+        pytest.skip("needs network namespaces or `unshare --mount --uts` (root)")
 
 
-def rendered_container(out: Path, flavor: str) -> dict:
-    """The trainer container of the pods, from a fresh render of k8s/ for NODES nodes."""
+def rendered_pods(out: Path, flavor: str, gpus: int) -> dict:
+    """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, from a
+    fresh render of k8s/ for NODES nodes."""
     render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(out), f"deploy.flavor={flavor}",
-              f"deploy.nodes={NODES}", f"deploy.gpus_per_node={GPUS}"]  # fmt: skip
+              f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"]  # fmt: skip
     subprocess.run(render, check=True, capture_output=True)
-    if flavor == "jobset":
-        (replicated,) = yaml.safe_load((out / "jobset.yaml").read_text())["spec"]["replicatedJobs"]
-        job_spec = replicated["template"]["spec"]
+    manifest = yaml.safe_load((out / f"{flavor}.yaml").read_text())
+    if flavor == "pytorchjob":
+        pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    elif flavor == "jobset":
+        (replicated,) = manifest["spec"]["replicatedJobs"]
+        pod = replicated["template"]["spec"]["template"]["spec"]
     else:
-        job_spec = yaml.safe_load((out / "job.yaml").read_text())["spec"]
-    assert job_spec["completionMode"] == "Indexed"
-    (container,) = job_spec["template"]["spec"]["containers"]
-    return container
+        assert manifest["spec"]["completionMode"] == "Indexed"
+        pod = manifest["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return manifest, container
 
 
-def node_env(container: dict, index: int, port: int) -> dict[str, str]:
+def operator_env(pytorchjob: dict, port: int) -> dict[str, str]:
+    """What the training operator sets from elasticPolicy (pkg/controller.v1/pytorch/elastic.go)."""
+    spec, name = pytorchjob["spec"], pytorchjob["metadata"]["name"]
+    policy = spec["elasticPolicy"]
+    return {
+        "PET_RDZV_ENDPOINT": f"{policy.get('rdzvHost', f'{name}-worker-0')}:{port}",
+        "PET_RDZV_BACKEND": policy["rdzvBackend"],
+        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+        "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+        "PET_RDZV_ID": policy["rdzvId"],
+        "PET_NPROC_PER_NODE": spec["nprocPerNode"],
+    }
+
+
+def node_env(container: dict, index: int, host: Host, port: int) -> dict[str, str]:
+    """The container's env on node `index`, the downward API's fields filled in."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    fields = {"status.podIP": host.address}
     for variable in container["env"]:
         if "value" in variable:
             env[variable["name"]] = variable["value"]
-        else:  # the completion-index annotation, through the downward API
-            env[variable["name"]] = str(index)
-    env["RDZV_PORT"] = str(port)  # the manifest's port may be taken on this machine
+        else:  # the completion-index annotation or the pod IP
+            path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+            env[variable["name"]] = fields.get(path, str(index))
+    if "RDZV_PORT" in env:
+        env["RDZV_PORT"] = str(port)  # the manifest's port may be taken on this machine
     return env
 
 
@@ -103,36 +169,91 @@ def free_port() -> int:
 
 
 def launch_nodes(
-    hosts, flavor: str, tmp_path: Path, run_dir: Path, *overrides: str
+    hosts,
+    flavor: str,
+    tmp_path: Path,
+    run_dir: Path,
+    *overrides: str,
+    only: int | None = None,
+    port: int | None = None,
+    gpus: int = GPUS,
+    devices: list[str] | None = None,
 ) -> list[subprocess.Popen]:
-    """Every node of the Job, started with the manifest's command, args and env."""
-    container = rendered_container(tmp_path / "k8s", flavor)
-    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    """Every node (or node `only`), started with the manifest's command, args and env;
+    devices[i] is node i's CUDA_VISIBLE_DEVICES, as the device plugin would give its pod."""
+    manifest, container = rendered_pods(tmp_path / "k8s", flavor, gpus)
+    name = manifest["metadata"]["name"]
     args = [
         f"hydra.run.dir={run_dir}" if a.startswith("hydra.run.dir=") else a
         for a in container["args"]
     ]
-    port = free_port()
+    port = port or free_port()
+    operator = operator_env(manifest, port) if flavor == "pytorchjob" else {}
+    names = [POD_NAMES[flavor](name, i) for i in range(NODES)]
+    rdzv_host = next((v["value"] for v in container["env"] if v["name"] == "RDZV_HOST"), None)
+    assert rdzv_host in (None, *names[0])  # the manifest names pod 0 as Kubernetes does
     return [
         subprocess.Popen(
-            [*prefix, *container["command"], *args, *overrides],
-            env=node_env(container, index, port),
+            [*host.prefix, *container["command"], *args, *overrides],
+            env={
+                **node_env(container, index, host, port),
+                **operator,
+                **({"CUDA_VISIBLE_DEVICES": devices[index]} if devices else {}),
+            },  # fmt: skip
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )  # fmt: skip
-        for index, prefix in enumerate(hosts(env["RDZV_HOST"]))
+        for index, host in enumerate(hosts(names))
+        if only is None or index == only
     ]
 
 
-@pytest.mark.parametrize("flavor", ["job", "jobset"])
-def test_the_jobs_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
+def wait_for_checkpoint(nodes: list[subprocess.Popen], run_dir: Path) -> None:
+    deadline = time.monotonic() + 180
+    while not list((run_dir / "checkpoints").glob("step_*.pt")):
+        assert all(node.poll() is None for node in nodes), (
+            "a node ended before its first checkpoint"
+        )
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.1)
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each node's output, once all have ended; any left after `timeout` are killed."""
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=timeout)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                for worker in worker_pids(node.pid).values():
+                    os.kill(worker, signal.SIGKILL)
+                node.kill()
+                node.communicate()
+    return outputs
+
+
+def assert_resumed_and_finished(
+    nodes, outputs, run_dir: Path, steps: tuple[str, ...] = STEPS, world_size: int = NODES * GPUS
+) -> None:
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, output[-3000:]
+    rows = read_metrics(run_dir)
+    assert rows[-1]["step"] == int(steps[0].split("=")[1])
+    assert all(row["world_size"] == world_size for row in rows)
+    assert "resumed from the checkpoint of step" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("flavor", ["job", "jobset", "pytorchjob"])
+def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     run_dir = tmp_path / "run"
     nodes = launch_nodes(
         hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10"
     )
-    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    outputs = finish(nodes, timeout=240)
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
     rows = read_metrics(run_dir)
@@ -141,45 +262,52 @@ def test_the_jobs_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     assert "world size 4, backend gloo" in (run_dir / "train.log").read_text()
 
 
-def test_a_lost_node_fails_the_others_fast_and_a_relaunch_resumes(hosts, tmp_path):
-    """What the Job does when a pod dies: the other nodes' collectives fail within
-    dist.timeout_s and their pods fail too; the replacement pods start the same launch line
-    and every rank resumes from the newest checkpoint in the shared run dir."""
-    import signal
-    import time
-
+def test_a_killed_worker_restarts_every_node_in_place(hosts, tmp_path):
+    """torchrun --max-restarts: one worker dies; both torchruns stop their workers (on the
+    failure, or on seeing a node wait in the rendezvous) and start new ones, which meet in a new
+    rendezvous round and resume from the newest checkpoint. No pod is lost."""
     run_dir = tmp_path / "run"
-    steps = ("trainer.max_steps=3000", "trainer.log_every=100", "trainer.checkpoint_every=200")
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=15")
-    try:
-        deadline = time.monotonic() + 180
-        while not list((run_dir / "checkpoints").glob("step_*.pt")):
-            assert all(node.poll() is None for node in nodes), (
-                "a node ended before its first checkpoint"
-            )
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.1)
-        # The whole pod: its workers (torchrun starts them in sessions of their own), then torchrun.
-        for rank in range(GPUS, 2 * GPUS):
-            os.kill(worker_pid(nodes[1].pid, rank), signal.SIGKILL)
-        os.kill(nodes[1].pid, signal.SIGKILL)
-        lost_at = time.monotonic()
-        survivor = nodes[0].communicate(timeout=120)[0]
-        assert nodes[0].returncode != 0
-        assert time.monotonic() - lost_at < 15 + 60, "the surviving node did not give up in time"
-        assert "A collective failed on rank" in survivor
-    finally:
-        for node in nodes:
-            for rank in range(NODES * GPUS):
-                if node.poll() is None and (worker := worker_pid(node.pid, rank)):
-                    os.kill(worker, signal.SIGKILL)
-            if node.poll() is None:
-                node.kill()
-            node.communicate()
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15")
+    wait_for_checkpoint(nodes, run_dir)
+    victim = sorted(worker_pids(nodes[1].pid).values())[-1]
+    os.kill(victim, signal.SIGKILL)
+    outputs = finish(nodes, timeout=300)
+    assert_resumed_and_finished(nodes, outputs, run_dir)  # both torchruns lived on
 
-    relaunched = launch_nodes(hosts, "job", tmp_path, run_dir, *steps)
-    outputs = [node.communicate(timeout=300)[0] for node in relaunched]
-    for node, output in zip(relaunched, outputs, strict=True):
-        assert node.returncode == 0, output[-3000:]
-    assert read_metrics(run_dir)[-1]["step"] == 3000
-    assert "resumed from the checkpoint of step" in (run_dir / "train.log").read_text()
+
+def test_a_lost_node_is_replaced_and_the_other_resumes_in_place(hosts, tmp_path):
+    """A pod dies and its controller starts a replacement with the same launch line: the other
+    node's torchrun restarts its workers into the new rendezvous round instead of failing its
+    pod, and every rank resumes from the newest checkpoint."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", port=port)
+    wait_for_checkpoint(nodes, run_dir)
+    # The whole pod: its workers (torchrun starts them in sessions of their own), then torchrun.
+    for worker in worker_pids(nodes[1].pid).values():
+        os.kill(worker, signal.SIGKILL)
+    os.kill(nodes[1].pid, signal.SIGKILL)
+    nodes[1].communicate()
+    replacement = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=1, port=port)
+    survivor_and_replacement = [nodes[0], *replacement]
+    outputs = finish(survivor_and_replacement, timeout=300)
+    assert_resumed_and_finished(survivor_and_replacement, outputs, run_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_a_killed_worker_restarts_one_gpu_nodes_in_place_over_nccl(hosts, tmp_path):
+    """The same in-place restart under NCCL: 2 nodes x 1 GPU, the Job's launch line."""
+    run_dir = tmp_path / "run"
+    steps = ("trainer.max_steps=30000", "trainer.log_every=1000", "trainer.checkpoint_every=2000")
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=30",
+                         gpus=1, devices=["0", "1"])  # fmt: skip
+    wait_for_checkpoint(nodes, run_dir)
+    killed_at = time.monotonic()
+    os.kill(sorted(worker_pids(nodes[1].pid).values())[-1], signal.SIGKILL)
+    outputs = finish(nodes, timeout=400)
+    assert_resumed_and_finished(nodes, outputs, run_dir, steps, world_size=2)
+    log = (run_dir / "train.log").read_text()
+    assert "backend nccl, gate all-reduce passed" in log
+    print(f"\nGPU-RESULT in-place restart over NCCL: {time.monotonic() - killed_at:.1f} s from the "
+          f"kill to the end of {steps[0]}")  # fmt: skip

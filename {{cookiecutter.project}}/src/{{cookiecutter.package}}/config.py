@@ -197,6 +197,7 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 class Flavor(Enum):
     job = "job"  # batch/v1 Job, and a headless Service for several nodes: no operator needed
     jobset = "jobset"  # a JobSet (jobset.x-k8s.io): restarts every node's pod together
+    pytorchjob = "pytorchjob"  # a Kubeflow PyTorchJob (kubeflow.org/v1): the training operator
 
 
 @dataclass
@@ -213,6 +214,7 @@ class DeployConfig:
     shm_size: str = "16Gi"
     runs_storage: str = "50Gi"
     backoff_limit: int = 3
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
         # The Job's pods are <name>-<index>-<suffix>; the claim is <name>-runs.
@@ -235,6 +237,9 @@ class DeployConfig:
         )  # fmt: skip
         require(
             self.backoff_limit >= 0, "deploy.backoff_limit", self.backoff_limit, "must be 0 or more"
+        )
+        require(
+            self.max_restarts >= 0, "deploy.max_restarts", self.max_restarts, "must be 0 or more"
         )
 
 
