@@ -221,19 +221,19 @@ def wait_for_checkpoint(nodes: list[subprocess.Popen], run_dir: Path) -> None:
 
 
 def finish(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Each node's output, once all have ended; any left after `timeout` are killed."""
-    outputs = []
+    """Each node's output, once all have ended within `timeout` seconds; else they are killed
+    and the test fails with the end of each node's output."""
+    deadline = time.monotonic() + timeout
     try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=timeout)[0])
-    finally:
+        return [node.communicate(timeout=max(deadline - time.monotonic(), 0))[0] for node in nodes]
+    except subprocess.TimeoutExpired:
         for node in nodes:
             if node.poll() is None:
                 for worker in worker_pids(node.pid).values():
                     os.kill(worker, signal.SIGKILL)
                 node.kill()
-                node.communicate()
-    return outputs
+        tails = [f"--- node {i}:\n{node.communicate()[0][-4000:]}" for i, node in enumerate(nodes)]
+        pytest.fail(f"nodes still running after {timeout} s\n" + "\n".join(tails))
 
 
 def assert_resumed_and_finished(
@@ -262,6 +262,7 @@ def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     assert "world size 4, backend gloo" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
 def test_a_killed_worker_restarts_every_node_in_place(hosts, tmp_path):
     """torchrun --max-restarts: one worker dies; both torchruns stop their workers (on the
     failure, or on seeing a node wait in the rendezvous) and start new ones, which meet in a new
@@ -271,10 +272,11 @@ def test_a_killed_worker_restarts_every_node_in_place(hosts, tmp_path):
     wait_for_checkpoint(nodes, run_dir)
     victim = sorted(worker_pids(nodes[1].pid).values())[-1]
     os.kill(victim, signal.SIGKILL)
-    outputs = finish(nodes, timeout=300)
+    outputs = finish(nodes, timeout=240)
     assert_resumed_and_finished(nodes, outputs, run_dir)  # both torchruns lived on
 
 
+@pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
 def test_a_lost_node_is_replaced_and_the_other_resumes_in_place(hosts, tmp_path):
     """A pod dies and its controller starts a replacement with the same launch line: the other
     node's torchrun restarts its workers into the new rendezvous round instead of failing its
@@ -290,22 +292,24 @@ def test_a_lost_node_is_replaced_and_the_other_resumes_in_place(hosts, tmp_path)
     nodes[1].communicate()
     replacement = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=1, port=port)
     survivor_and_replacement = [nodes[0], *replacement]
-    outputs = finish(survivor_and_replacement, timeout=300)
+    outputs = finish(survivor_and_replacement, timeout=240)
     assert_resumed_and_finished(survivor_and_replacement, outputs, run_dir)
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_a_killed_worker_restarts_one_gpu_nodes_in_place_over_nccl(hosts, tmp_path):
-    """The same in-place restart under NCCL: 2 nodes x 1 GPU, the Job's launch line."""
+    """The same in-place restart under NCCL: 2 nodes x 1 GPU, the Job's launch line. The two
+    "nodes" share a host but not a hostname, so NCCL joins them over sockets, as across nodes."""
     run_dir = tmp_path / "run"
-    steps = ("trainer.max_steps=30000", "trainer.log_every=1000", "trainer.checkpoint_every=2000")
+    steps = ("trainer.max_steps=6000", "trainer.log_every=500", "trainer.checkpoint_every=1000")
     nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=30",
                          gpus=1, devices=["0", "1"])  # fmt: skip
     wait_for_checkpoint(nodes, run_dir)
     killed_at = time.monotonic()
     os.kill(sorted(worker_pids(nodes[1].pid).values())[-1], signal.SIGKILL)
-    outputs = finish(nodes, timeout=400)
+    outputs = finish(nodes, timeout=240)
     assert_resumed_and_finished(nodes, outputs, run_dir, steps, world_size=2)
     log = (run_dir / "train.log").read_text()
     assert "backend nccl, gate all-reduce passed" in log
