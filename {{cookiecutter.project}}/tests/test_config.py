@@ -98,3 +98,28 @@ def test_gloo_ignores_gpu_count(compose_train, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert to_train_config(compose_train("dist.backend=gloo")).dist.backend is Backend.gloo
+
+
+def test_a_local_override_file_applies_after_the_experiment(tmp_path):
+    """configs/local/default.yaml: this machine's overrides, optional and git-ignored."""
+    import shutil
+    from importlib.resources import files
+
+    from hydra import compose, initialize_config_dir
+
+    from {{ cookiecutter.package }}.config import register_configs
+
+    register_configs()
+    configs = tmp_path / "configs"
+    shutil.copytree(str(files("{{ cookiecutter.package }}.configs")), configs)
+    (configs / "local").mkdir(exist_ok=True)  # an install without local files has no folder
+    (configs / "local" / "default.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_steps: 7\ndata:\n  batch_size: 512\n"
+    )
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        local = compose(config_name="train", overrides=["experiment=smoke"])
+    assert local.trainer.max_steps == 7  # over the experiment's 20
+    assert local.data.batch_size == 512 and local.trainer.log_every == 5  # the rest stays
+    (configs / "local" / "default.yaml").unlink()
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        assert compose(config_name="train", overrides=["experiment=smoke"]).trainer.max_steps == 20

@@ -10,7 +10,6 @@ Rank and world size come only from torchrun's environment (RANK, LOCAL_RANK, WOR
 """
 
 import gc
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import check, checkpoint, failfast, nccl, probe
+from {{ cookiecutter.package }} import check, checkpoint, failfast, metrics, nccl, probe
 from {{ cookiecutter.package }}.config import (
     CommHook,
     DistConfig,
@@ -106,21 +105,19 @@ def report_collective_failure(
         )
 
 
+def save_resolved_config(cfg: TrainConfig, run_dir: Path) -> None:
+    """The config this run uses, every value resolved: printed, and kept as <run dir>/config.yaml."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    (run_dir / "config.yaml").write_text(text)
+    log.info("config (also in %s):\n%s", run_dir / "config.yaml", text.rstrip())
+
+
 def select_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if not uses_cuda(cfg.dist.backend):
         return torch.device("cpu")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
-
-
-def log_metrics(run_dir: Path, row: dict) -> None:
-    log.info(
-        "step %d/%d  loss %.4f  acc %.3f  %.0f samples/s",
-        row["step"], row["max_steps"], row["loss"], row["accuracy"], row["samples_per_s"],
-    )  # fmt: skip
-    with (run_dir / "metrics.jsonl").open("a") as out:
-        out.write(json.dumps(row) + "\n")
 
 
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -134,11 +131,13 @@ COMM_HOOKS = {
 }
 
 
-def wrap_ddp(module: nn.Module, cfg: DistConfig, device: torch.device) -> nn.Module:
-    """DDP over several processes. One process trains the bare module: DDP's bucket copies and
-    hooks would only slow its step."""
+def wrap_ddp(
+    module: nn.Module, cfg: DistConfig, device: torch.device
+) -> tuple[nn.Module, metrics.CommTimer | None]:
+    """DDP over several processes, its all-reduces timed on the steps that end a log window.
+    One process trains the bare module: DDP's bucket copies and hooks would only slow its step."""
     if dist.get_world_size() == 1:
-        return module
+        return module, None
     model = DDP(
         module,
         device_ids=[device] if device.type == "cuda" else None,
@@ -146,9 +145,9 @@ def wrap_ddp(module: nn.Module, cfg: DistConfig, device: torch.device) -> nn.Mod
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # grads live in the buckets: no copy
         static_graph=cfg.static_graph,  # the same parameters get gradients every step
     )
-    if COMM_HOOKS[cfg.comm_hook]:
-        model.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
-    return model
+    timer = metrics.CommTimer(COMM_HOOKS[cfg.comm_hook], device)
+    model.register_comm_hook(None, timer.hook)
+    return model, timer
 
 
 def skip_gradient_sync(model: nn.Module) -> AbstractContextManager:
@@ -172,7 +171,7 @@ def train(
     dataset = synthetic_dataset(cfg.data, seed=cfg.trainer.seed)
     loader, sampler = build_loader(dataset, cfg.data, seed=cfg.trainer.seed, device=device)
     module = build_model(cfg.model, cfg.data).to(device)
-    model = wrap_ddp(module, cfg.dist, device)
+    model, comm_timer = wrap_ddp(module, cfg.dist, device)
     forward = torch.compile(model) if cfg.trainer.compile else model
     optimizer = torch.optim.AdamW(
         module.parameters(),
@@ -240,6 +239,7 @@ def train(
         progress()  # writing it is not a stalled collective
 
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
+    record = metrics.RunRecord(run_dir, cfg.trainer.max_steps, step, enabled=rank == 0)
     window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
     micro_batch, window_start, started = 0, step, time.perf_counter()
     while step < cfg.trainer.max_steps:
@@ -247,6 +247,8 @@ def train(
         for inputs, labels in loader:
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
+            if comm_timer and micro_batch == 0 and ends_log_window(step + 1, cfg):
+                comm_timer.arm()
             micro_batch += 1
             last_micro_batch = micro_batch == accumulation
             with nullcontext() if last_micro_batch else skip_gradient_sync(model):
@@ -267,31 +269,37 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
             scheduler.step()
             step += 1
             progress()
+            record.step(step)
 
-            if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
+            if ends_log_window(step, cfg):
+                comm_share = comm_timer.share() if comm_timer else 0.0
                 dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
                 now = time.perf_counter()
                 loss_sum, correct, samples = window.tolist()
-                if rank == 0:
-                    row = {
+                record.write(
+                    {
                         "step": step,
                         "max_steps": cfg.trainer.max_steps,
                         "epoch": epoch,
                         "loss": loss_sum / samples,
                         "accuracy": correct / samples,
+                        "lr": lr,
                         "samples_per_s": samples / (now - started),
                         "step_time_ms": (now - started) / (step - window_start) * 1e3,
+                        "comm_share": comm_share,  # rank 0's last step of the window
                         "world_size": world_size,
                     }
-                    log_metrics(run_dir, row)
+                )
                 window.zero_()
                 window_start, started = step, now
             here = checkpoint.Position(step, epoch, batch_in_epoch)
             if preemption.agreed():
                 save(here)
+                record.close()
                 if rank == 0:
                     log.warning(
                         "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
@@ -309,7 +317,12 @@ def train(
         else:  # the epoch ran out
             epoch, batch_in_epoch = epoch + 1, 0
     preemption.close()
+    record.close()
     return False
+
+
+def ends_log_window(step: int, cfg: TrainConfig) -> bool:
+    return step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps
 
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
@@ -348,6 +361,7 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
                 backend,
                 run_dir,
             )
+            save_resolved_config(cfg, run_dir)
         # A CPU group for control messages (stop? which checkpoint?): no GPU synchronisation.
         control = dist.new_group(backend="gloo") if backend == "nccl" else None
         preempted = train(cfg, device, run_dir, control, progress=watchdog.beat)

@@ -1,0 +1,125 @@
+"""What rank 0 records in the run dir, and how it shows progress: on CPU, 2 processes over gloo."""
+
+import csv
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import PACKAGE, read_metrics, torchrun, train_command
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from {{ cookiecutter.package }} import metrics
+
+RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
+BAR = "━"  # rich's bar
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 2-process run without a terminal, and its output."""
+    tmp_path = tmp_path_factory.mktemp("metrics")
+    run_dir = tmp_path / "run"
+    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, done.stdout + done.stderr
+
+
+def test_csv_and_jsonl_hold_the_same_rows(run):
+    run_dir, _ = run
+    with (run_dir / "metrics.csv").open(newline="") as rows:
+        table = list(csv.DictReader(rows))
+    assert list(table[0]) == metrics.COLUMNS
+    jsonl = read_metrics(run_dir)
+    assert [int(row["step"]) for row in table] == [row["step"] for row in jsonl] == [20, 40, 60]
+    for row, same in zip(table, jsonl, strict=True):
+        assert {key: float(value) for key, value in row.items()} == pytest.approx(same)
+
+
+def test_rows_carry_learning_rate_throughput_and_communication_share(run):
+    rows = read_metrics(run[0])
+    # linear warm-up over 40 steps: the rate used by step s is min(1, s / 40) x trainer.lr
+    assert [row["lr"] for row in rows] == pytest.approx([0.003 * 20 / 40, 0.003, 0.003])
+    assert all(row["samples_per_s"] > 0 and row["step_time_ms"] > 0 for row in rows)
+    # gloo all-reduces on a thread of its own: some of every timed step has one in flight
+    assert all(0 < row["comm_share"] <= 1 for row in rows)
+
+
+def test_tensorboard_events_hold_every_scalar(run):
+    events = EventAccumulator(str(run[0] / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(metrics.TENSORBOARD_TAGS.values())
+    losses = events.Scalars("train/loss")
+    assert [event.step for event in losses] == [20, 40, 60]
+    assert losses[-1].value == pytest.approx(read_metrics(run[0])[-1]["loss"])
+
+
+def test_the_plot_lands_in_the_run_dir(run):
+    png = (run[0] / "metrics.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert "plot metrics.png" in (run[0] / "train.log").read_text()
+
+
+def test_the_resolved_config_is_printed_and_saved(run):
+    run_dir, output = run
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 60 and saved["nccl"]["auto"] in (True, False)
+    assert "config (also in" in output and "max_steps: 60" in output
+
+
+def test_without_a_terminal_progress_is_log_lines(run):
+    _, output = run
+    assert "step 40/60  loss" in output and "comm" in output
+    assert BAR not in output
+
+
+def test_on_a_terminal_rank_0_shows_a_progress_bar(tmp_path):
+    controller, terminal = pty.openpty()
+    command = train_command(*RUN, f"hydra.run.dir={tmp_path / 'run'}")
+    process = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal,
+                               stderr=terminal, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: every process has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=60) == 0
+    output = b"".join(chunks).decode(errors="replace")
+    assert BAR in output and "60/60" in output  # the bar, finished
+    assert "step 40/60  loss" in output  # the log lines still print, above it
+    assert output.count("60/60") >= 1 and "Traceback" not in output
+
+
+def test_a_resumed_run_appends_to_the_csv(run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run[0], run_dir)
+    done = torchrun(tmp_path, *RUN[1:], "trainer.max_steps=80", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (run_dir / "metrics.csv").read_text().splitlines()
+    assert lines[0] == ",".join(metrics.COLUMNS) and lines.count(lines[0]) == 1
+    assert [row["step"] for row in metrics.read_rows(run_dir)] == [20, 40, 60, 80]
+
+
+def test_one_process_has_no_communication(tmp_path):
+    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(row["comm_share"] == 0 for row in read_metrics(tmp_path / "run"))
+
+
+def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
+    (run[0] / "metrics.png").unlink()
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.metrics", str(run[0])],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and (run[0] / "metrics.png").exists()
+    empty = subprocess.run([sys.executable, "-m", f"{PACKAGE}.metrics", str(tmp_path)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert empty.returncode == 2 and empty.stderr == f"{tmp_path}: no metrics.csv with rows\n"
