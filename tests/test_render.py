@@ -37,7 +37,11 @@ EXPECTED_FILES = {
     ".gitignore",
     "Dockerfile",
     "README.md",
+    "Makefile",
     "pyproject.toml",
+    ".pre-commit-config.yaml",
+    ".yamllint",
+    ".github/workflows/ci.yml",
     "k8s/runs-pvc.yaml",
     "configs/__init__.py",
     "configs/train.yaml",
@@ -155,7 +159,7 @@ def test_no_template_text_left(rendered):
     for name in files_of(rendered.path):
         text = (rendered.path / name).read_text()
         assert "cookiecutter." not in text, name
-        assert not re.search(r"\{\{|\{%", text), name
+        assert not re.search(r"(?<!\$)\{\{|\{%", text), name  # ${{ }}: GitHub Actions' own
 
 
 def test_python_compiles_and_ruff_is_clean(rendered):
@@ -408,3 +412,54 @@ def test_cli_renders_and_prints_next_steps(tmp_path):
     assert "torchrun --standalone --nproc-per-node 2 -m cli_demo.train" in done.stdout
     job = yaml.safe_load((tmp_path / "cli-demo" / "k8s" / "job.yaml").read_text())
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+MAKE_TARGETS = {
+    "install": "python -m pip install -e '.[dev]'",
+    "test": "python -m pytest",
+    "train": "torchrun --standalone --nproc-per-node {gpus} -m {package}.train",
+    "train-cpu": "torchrun --standalone --nproc-per-node 2 -m {package}.train dist.backend=gloo",
+    "doctor": "python -m {package}.doctor",
+    "bench": "python -m {package}.bench",
+    "tensorboard": "tensorboard --logdir outputs",
+    "docker-build": "docker build -t ghcr.io/your-org/{project}:latest .",
+    "k8s-render": "python -m {package}.k8s",
+    "k8s-apply": "python -m {package}.k8s\nkubectl apply -f k8s/",
+}
+
+
+def test_makefile_targets_run_the_documented_commands(rendered):
+    for target, expected in MAKE_TARGETS.items():
+        done = subprocess.run(["make", "-n", target], cwd=rendered.path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        command = expected.format(gpus=rendered.gpus, package=rendered.package, project=rendered.path.name)
+        assert "\n".join(line.rstrip() for line in done.stdout.splitlines()) == command, target
+    with_args = subprocess.run(["make", "-n", "train-cpu", "ARGS=trainer.max_steps=5"], cwd=rendered.path,
+                               capture_output=True, text=True)  # fmt: skip
+    assert with_args.stdout.strip().endswith("dist.backend=gloo trainer.max_steps=5")
+    listed = subprocess.run(["make", "help"], cwd=rendered.path, capture_output=True, text=True).stdout
+    assert {line.split("\t")[0] for line in listed.splitlines()} == {"help", *MAKE_TARGETS}
+
+
+def test_pre_commit_config_is_valid_and_its_yamllint_passes(rendered):
+    done = subprocess.run([BIN / "pre-commit", "validate-config", ".pre-commit-config.yaml"],
+                          cwd=rendered.path, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = yaml.safe_load((rendered.path / ".pre-commit-config.yaml").read_text())
+    hooks = {hook["id"] for repo in config["repos"] for hook in repo["hooks"]}
+    assert hooks == {"ruff-check", "ruff-format", "yamllint", "hadolint"}
+    linted = subprocess.run([BIN / "yamllint", "--strict", "."], cwd=rendered.path, capture_output=True, text=True)
+    assert linted.returncode == 0, linted.stdout  # configs/, k8s/, the workflow, this config
+
+
+def test_github_workflow_keeps_its_expressions_and_runs_tests_and_a_gloo_run(rendered):
+    text = (rendered.path / ".github" / "workflows" / "ci.yml").read_text()
+    assert "${{ github.workflow }}-${{ github.ref }}" in text and "${{ always() }}" in text
+    workflow = yaml.safe_load(text)
+    (job,) = workflow["jobs"].values()
+    steps = {step.get("name", step.get("uses")): step for step in job["steps"]}
+    assert steps["actions/setup-python@v5"]["with"]["python-version"] == "3.11"
+    runs = [step.get("run", "") for step in job["steps"]]
+    assert "make test" in runs
+    assert any(run.startswith("make train-cpu") for run in runs)  # 2 processes over gloo
+    assert "download.pytorch.org/whl/cpu" in "".join(runs)  # not the multi-GB CUDA build

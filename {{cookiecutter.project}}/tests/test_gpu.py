@@ -42,9 +42,13 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
         print(f"\nGPU-RESULT probe_s={probe_s}")
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
     assert checkpoint.checkpoint_paths(run_dir)[-1].name == "step_000000300.pt"
+    # the comm hook's CUDA events: an all-reduce was in flight for part of each timed step
+    assert all(0 < row["comm_share"] <= 1 for row in rows)
+    assert (run_dir / "metrics.png").exists() and list((run_dir / "tensorboard").iterdir())
     samples_per_s = sum(row["samples_per_s"] for row in rows[1:]) / len(rows[1:])  # after warm-up
+    comm = sorted(row["comm_share"] for row in rows)[len(rows) // 2]
     print(f"\nGPU-RESULT nccl={profile} transports={','.join(transports)} "
-          f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f}")  # fmt: skip
+          f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f} comm_share={comm:.2f}")  # fmt: skip
 
 
 def test_doctor_recommends_a_working_profile_and_auto_is_near_the_best():
