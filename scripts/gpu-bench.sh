@@ -2,7 +2,7 @@
 # The bench table of BENCHMARKS.md: the generated project's `bench` on the 134M-parameter model
 # with its defaults, with DDP's own defaults, with single knobs changed, and under pcie_safe.
 # Every JSON goes to $OUT/bench.jsonl, the printed tables to $OUT/bench.log.
-#   ../shared/device/fetch-wheels.sh   # once, here
+#   scripts/fetch-gpu-wheels.sh   # once, here
 #   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu-bench.sh
 set -euo pipefail
 source "$(dirname "$0")/gpu-setup.sh"
@@ -23,6 +23,7 @@ M=experiment=mlp_134m
 bench template-defaults $M
 bench ddp-defaults $M dist.bucket_cap_mb=25 dist.gradient_as_bucket_view=false dist.static_graph=false trainer.fused_optimizer=false
 bench static-graph-off $M dist.static_graph=false
+bench no-comm-timing $M dist.time_comm=false
 bench bucket-25 $M dist.bucket_cap_mb=25
 bench hook-bf16 $M dist.comm_hook=bf16
 bench pcie-safe $M nccl=pcie_safe

@@ -3,7 +3,7 @@
 # render the template, install the project non-editably, run its `gpu` tests from another
 # directory: training under nccl=auto, nccl_default and pcie_safe with NCCL_DEBUG=INFO, the
 # doctor (its report is printed), and a hung rank. Logs go to $OUT.
-#   ../shared/device/fetch-wheels.sh   # once, here: hydra, omegaconf, cookiecutter as wheels in .whl/
+#   scripts/fetch-gpu-wheels.sh   # once, here: hydra, omegaconf, cookiecutter, tensorboard, matplotlib as wheels in .whl/
 #   device run (kind nvidia-h200-x2, carry .whl):  bash scripts/gpu-e2e.sh
 set -euo pipefail
 source "$(dirname "$0")/gpu-setup.sh"

@@ -123,3 +123,12 @@ def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
     empty = subprocess.run([sys.executable, "-m", f"{PACKAGE}.metrics", str(tmp_path)],
                            capture_output=True, text=True)  # fmt: skip
     assert empty.returncode == 2 and empty.stderr == f"{tmp_path}: no metrics.csv with rows\n"
+
+
+def test_without_comm_timing_the_share_is_left_empty(tmp_path):
+    """dist.time_comm=false: DDP's built-in all-reduce, no Python hook, no figure to report."""
+    done = torchrun(tmp_path, *RUN, "dist.time_comm=false", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(row["comm_share"] is None for row in read_metrics(tmp_path / "run"))
+    assert all(row["comm_share"] is None for row in metrics.read_rows(tmp_path / "run"))
+    assert "comm n/a" in (tmp_path / "run" / "train.log").read_text()

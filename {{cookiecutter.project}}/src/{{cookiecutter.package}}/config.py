@@ -149,6 +149,7 @@ class DistConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     comm_hook: CommHook = CommHook.default
+    time_comm: bool = True
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")

@@ -112,17 +112,19 @@ class RunRecord:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        comm = "n/a" if row["comm_share"] is None else f"{100 * row['comm_share']:.0f}%"
         log.info(
-            "step %d/%d  loss %.4f  acc %.3f  %.0f samples/s  %.1f ms/step  comm %.0f%%",
+            "step %d/%d  loss %.4f  acc %.3f  %.0f samples/s  %.1f ms/step  comm %s",
             row["step"], row["max_steps"], row["loss"], row["accuracy"], row["samples_per_s"],
-            row["step_time_ms"], 100 * row["comm_share"],
+            row["step_time_ms"], comm,
         )  # fmt: skip
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")
         self.csv.writerow(row)
         self.csv_file.flush()
         for key, tag in TENSORBOARD_TAGS.items():
-            self.writer.add_scalar(tag, row[key], global_step=row["step"])
+            if row[key] is not None:  # comm_share with dist.time_comm=false
+                self.writer.add_scalar(tag, row[key], global_step=row["step"])
         if self.progress:
             self.progress.show(row)
 
@@ -185,7 +187,10 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
     if not path.exists():
         return []
     with path.open(newline="") as rows:
-        return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(rows)]
+        return [
+            {key: float(value) if value else None for key, value in row.items()}
+            for row in csv.DictReader(rows)
+        ]
 
 
 def plot_metrics(run_dir: Path) -> Path | None:

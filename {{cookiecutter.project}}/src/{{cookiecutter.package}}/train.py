@@ -145,6 +145,10 @@ def wrap_ddp(
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # grads live in the buckets: no copy
         static_graph=cfg.static_graph,  # the same parameters get gradients every step
     )
+    if not cfg.time_comm:
+        if COMM_HOOKS[cfg.comm_hook]:
+            model.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+        return model, None
     timer = metrics.CommTimer(COMM_HOOKS[cfg.comm_hook], device)
     model.register_comm_hook(None, timer.hook)
     return model, timer
@@ -276,7 +280,7 @@ def train(
             record.step(step)
 
             if ends_log_window(step, cfg):
-                comm_share = comm_timer.share() if comm_timer else 0.0
+                comm_share = comm_timer.share() if comm_timer else None if world_size > 1 else 0.0
                 dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
                 now = time.perf_counter()
                 loss_sum, correct, samples = window.tolist()
