@@ -249,7 +249,11 @@ def test_pytorchjob_passes_its_crd_schema_and_the_operators_rules(rendered):
     assert policy["maxRestarts"] == 3 and spec["nprocPerNode"] == str(rendered.gpus)
     assert spec["runPolicy"] == {"backoffLimit": 3 * rendered.nodes, "cleanPodPolicy": "Running"}
     args = container["args"]
-    assert container["command"] == ["torchrun"] and args[:2] == ["--nproc-per-node", str(rendered.gpus)]
+    # the config check first, in the container: an init container that fails is retried forever
+    # under OnFailure, and never counts toward backoffLimit
+    check_then_launch = f'python -m {rendered.package}.check && exec torchrun "$@"'
+    assert container["command"] == ["/bin/sh", "-c", check_then_launch, "torchrun"] and "initContainers" not in pod
+    assert args[:2] == ["--nproc-per-node", str(rendered.gpus)]
     assert not {"--nnodes", "--standalone", "--rdzv-endpoint"} & set(args)  # the operator's to set
 
 
@@ -362,8 +366,9 @@ def test_job_survives_preemption_and_fails_fast_on_config_errors(rendered):
         assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
         (fail,) = [r for r in rules if r["action"] == "FailJob"]
         assert fail["onExitCodes"] == {"containerName": "check-config", "operator": "In", "values": [2]}
-    (check,) = pod["initContainers"]
-    assert check["name"] == "check-config" and check["command"] == ["python", "-m", f"{rendered.package}.check"]
+    if rendered.flavor != "pytorchjob":  # its trainer container checks first: see its own test
+        (check,) = pod["initContainers"]
+        assert check["name"] == "check-config" and check["command"] == ["python", "-m", f"{rendered.package}.check"]
     assert pod["terminationGracePeriodSeconds"] >= 60  # torchrun's own 30 s for workers to checkpoint, and more
     run_dir = next(a for a in container["args"] if a.startswith("hydra.run.dir="))
     (runs,) = [m for m in container["volumeMounts"] if run_dir.split("=", 1)[1].startswith(m["mountPath"])]
@@ -378,7 +383,7 @@ def test_pod_is_locked_down(rendered):
     assert pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert not {"hostNetwork", "hostIPC", "hostPID"} & pod.keys()
-    for container in pod["containers"] + pod["initContainers"]:
+    for container in pod["containers"] + pod.get("initContainers", []):
         context = container["securityContext"]
         assert context["allowPrivilegeEscalation"] is False
         assert context["capabilities"]["drop"] == ["ALL"]
@@ -424,7 +429,7 @@ MAKE_TARGETS = {
     "tensorboard": "tensorboard --logdir outputs",
     "docker-build": "docker build -t ghcr.io/your-org/{project}:latest .",
     "k8s-render": "python -m {package}.k8s",
-    "k8s-apply": "python -m {package}.k8s\nkubectl apply -f k8s/",
+    "k8s-apply": "python -m {package}.k8s --check\nkubectl apply -f k8s/",
 }
 
 
@@ -438,7 +443,7 @@ def test_makefile_targets_run_the_documented_commands(rendered):
                                capture_output=True, text=True)  # fmt: skip
     assert with_args.stdout.strip().endswith("dist.backend=gloo trainer.max_steps=5")
     listed = subprocess.run(["make", "help"], cwd=rendered.path, capture_output=True, text=True).stdout
-    assert {line.split("\t")[0] for line in listed.splitlines()} == {"help", *MAKE_TARGETS}
+    assert {line.split()[0] for line in listed.splitlines()} == {"help", *MAKE_TARGETS}
 
 
 def test_pre_commit_config_is_valid_and_its_yamllint_passes(rendered):

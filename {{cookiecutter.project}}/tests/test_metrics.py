@@ -132,3 +132,20 @@ def test_without_comm_timing_the_share_is_left_empty(tmp_path):
     assert all(row["comm_share"] is None for row in read_metrics(tmp_path / "run"))
     assert all(row["comm_share"] is None for row in metrics.read_rows(tmp_path / "run"))
     assert "comm n/a" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
+    """Rows past the checkpoint were trained again: the CSV, the JSONL and TensorBoard keep one
+    row per step, the second run's."""
+    run_dir = tmp_path / "run"
+    first = torchrun(tmp_path, *RUN, "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir / "checkpoints" / "step_000000060.pt").unlink()  # as if the pod died after step 59
+    again = torchrun(tmp_path, *RUN, "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from the checkpoint of step 40" in (run_dir / "train.log").read_text()
+    assert [row["step"] for row in metrics.read_rows(run_dir)] == [20, 40, 60]
+    assert [row["step"] for row in read_metrics(run_dir)] == [20, 40, 60]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [20, 40, 60]

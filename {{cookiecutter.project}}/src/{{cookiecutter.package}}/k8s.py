@@ -39,6 +39,9 @@ MULTI_NODE_LAUNCH = (
 # 2.5) hands restarted workers the previous round's addresses: pytorch/pytorch#135712, and the
 # in-place restart test hangs or fails in init_process_group without this.
 FRESH_WORKER_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The config check in the trainer container, for pods that restart in place (a PyTorchJob's
+# OnFailure): a failing init container would be retried forever, never counted as a failure.
+CHECK_THEN_LAUNCH = f'python -m {PACKAGE}.check && exec torchrun "$@"'
 REPLICATED_JOB = "node"  # a JobSet's one replicated Job: its pods are the nodes
 LOCKED_DOWN = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
@@ -89,7 +92,7 @@ def launch(deploy: Mapping[str, Any]) -> tuple[list[str], list[str], list[dict]]
     if deploy["flavor"] == "pytorchjob":
         # The operator's PET_* env (elasticPolicy) gives torchrun the c10d rendezvous on worker 0,
         # --nnodes and --max-restarts; older operators set PET_NPROC_PER_NODE only with a Master.
-        return ["torchrun"], [*processes, *train], []
+        return ["/bin/sh", "-c", CHECK_THEN_LAUNCH, "torchrun"], [*processes, *train], []
     if nodes == 1:
         return ["torchrun"], ["--standalone", *processes, *restarts, *train], []
     index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -131,6 +134,12 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
 
 
 def pod_spec(deploy: Mapping[str, Any], env: Mapping[str, str], restart: str = "Never") -> dict:
+    check = {
+        "name": "check-config",  # exit 2 on a config error fails the Job at once
+        "image": deploy["image"],
+        "command": ["python", "-m", f"{PACKAGE}.check"],
+        "securityContext": LOCKED_DOWN,
+    }
     return {
         "restartPolicy": restart,
         # SIGTERM first: every rank stops at one step and rank 0 checkpoints; torchrun gives
@@ -143,14 +152,7 @@ def pod_spec(deploy: Mapping[str, Any], env: Mapping[str, str], restart: str = "
             "fsGroup": 10001,  # makes the runs volume writable by that user
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "initContainers": [
-            {
-                "name": "check-config",  # exit 2 on a config error fails the Job at once
-                "image": deploy["image"],
-                "command": ["python", "-m", f"{PACKAGE}.check"],
-                "securityContext": LOCKED_DOWN,
-            }
-        ],
+        **({"initContainers": [check]} if restart == "Never" else {}),  # else CHECK_THEN_LAUNCH
         "containers": [trainer_container(deploy, env)],
         "volumes": [
             # The container default of 64 MiB breaks NCCL's SHM transport and DataLoader workers.

@@ -70,10 +70,14 @@ class CommTimer:
     def arm(self) -> None:
         self.armed, self.marks = True, [self.mark()]
 
-    def share(self) -> float:
-        """After the armed step: the fraction of it with an all-reduce in flight."""
-        self.armed = False
-        step_start, buckets, step_end = self.marks[0], self.marks[1:], self.mark()
+    def share(self) -> float | None:
+        """After the armed step: the fraction of it with an all-reduce in flight (None if the
+        step was not armed)."""
+        if not self.armed:
+            return None
+        self.armed, marks = False, self.marks
+        self.marks = []
+        step_start, buckets, step_end = marks[0], marks[1:], self.mark()
         if not buckets:
             return 0.0
         if self.cuda:
@@ -95,15 +99,27 @@ class RunRecord:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        csv_path = run_dir / "metrics.csv"
-        new_csv = not csv_path.exists()  # a resumed run appends
-        self.csv_file = csv_path.open("a", newline="")
+        # A resumed run starts again after its checkpoint: forget what was logged past it.
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        kept = [row for row in read_rows(run_dir) if row["step"] <= start_step]
+        self.csv_file = (run_dir / "metrics.csv").open("w", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=COLUMNS)
-        if new_csv:
-            self.csv.writeheader()
+        self.csv.writeheader()
+        self.csv.writerows(kept)
+        self.csv_file.flush()
+        jsonl = run_dir / "metrics.jsonl"
+        lines = jsonl.read_text().splitlines() if jsonl.exists() else []
+        jsonl.write_text(
+            "".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= start_step)
+        )
         if sys.stdout.isatty():
             self.progress = ProgressBar(max_steps, start_step)
+
+    def __enter__(self) -> "RunRecord":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(plot=False)
 
     def step(self, step: int) -> None:
         if self.progress:
@@ -125,20 +141,28 @@ class RunRecord:
         for key, tag in TENSORBOARD_TAGS.items():
             if row[key] is not None:  # comm_share with dist.time_comm=false
                 self.writer.add_scalar(tag, row[key], global_step=row["step"])
+        self.writer.flush()  # a run that dies keeps its events
         if self.progress:
             self.progress.show(row)
 
     def close(self, plot: bool = True) -> None:
+        """Once: stop the bar, close the files, draw metrics.png (a failure to draw is a warning)."""
         if not self.enabled:
             return
+        self.enabled = False
         if self.progress:
             self.progress.stop()
         self.writer.close()
         self.csv_file.close()
-        if plot:
+        if not plot:
+            return
+        try:
             path = plot_metrics(self.run_dir)
-            if path:
-                log.info("plot %s", path.relative_to(self.run_dir))
+        except Exception as err:  # the run itself is done and saved
+            log.warning("no metrics.png: %s: %s", type(err).__name__, err)
+            return
+        if path:
+            log.info("plot %s", path.relative_to(self.run_dir))
 
 
 class ProgressBar:
@@ -159,14 +183,12 @@ class ProgressBar:
             TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
         )  # fmt: skip
         self.bar.start()  # sys.stdout is now the bar's proxy: point the log handlers at it
-        self.handlers = [
-            handler
+        self.streams = {
+            handler: handler.setStream(sys.stdout)  # returns the stream it replaces
             for handler in logging.getLogger().handlers
             if isinstance(handler, logging.StreamHandler)
             and getattr(handler.stream, "isatty", lambda: False)()
-        ]
-        for handler in self.handlers:
-            handler.setStream(sys.stdout)
+        }
         self.task = self.bar.add_task("train", total=max_steps, completed=start_step, status="")
 
     def advance(self, step: int) -> None:
@@ -178,8 +200,8 @@ class ProgressBar:
 
     def stop(self) -> None:
         self.bar.stop()
-        for handler in self.handlers:
-            handler.setStream(sys.__stdout__)
+        for handler, stream in self.streams.items():
+            handler.setStream(stream)
 
 
 def read_rows(run_dir: Path) -> list[dict[str, float]]:

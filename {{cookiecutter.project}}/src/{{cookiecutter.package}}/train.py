@@ -244,84 +244,87 @@ def train(
 
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     record = metrics.RunRecord(run_dir, cfg.trainer.max_steps, step, enabled=rank == 0)
-    window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
-    micro_batch, window_start, started = 0, step, time.perf_counter()
-    while step < cfg.trainer.max_steps:
-        sampler.set_position(epoch, batch_in_epoch)
-        for inputs, labels in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            if comm_timer and micro_batch == 0 and ends_log_window(step + 1, cfg):
-                comm_timer.arm()
-            micro_batch += 1
-            last_micro_batch = micro_batch == accumulation
-            with nullcontext() if last_micro_batch else skip_gradient_sync(model):
-                with torch.autocast(
-                    device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
-                ):
-                    logits = forward(inputs)
-                    loss = F.cross_entropy(logits, labels)
-                # DDP all-reduces the gradients during the last micro-batch's backward
-                scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()
-            batch_in_epoch += 1
-            window[0] += loss.detach().float() * len(labels)
-            window[1] += (logits.argmax(dim=1) == labels).sum()
-            window[2] += len(labels)
-            if not last_micro_batch:
-                continue
-            micro_batch = 0
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            step += 1
-            progress()
-            record.step(step)
+    with record:  # on an error too: the bar stops and the files close (no plot)
+        window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
+        micro_batch, window_start, started = 0, step, time.perf_counter()
+        while step < cfg.trainer.max_steps:
+            sampler.set_position(epoch, batch_in_epoch)
+            for inputs, labels in loader:
+                inputs = inputs.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                if comm_timer and micro_batch == 0 and ends_log_window(step + 1, cfg):
+                    comm_timer.arm()
+                micro_batch += 1
+                last_micro_batch = micro_batch == accumulation
+                with nullcontext() if last_micro_batch else skip_gradient_sync(model):
+                    with torch.autocast(
+                        device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+                    ):
+                        logits = forward(inputs)
+                        loss = F.cross_entropy(logits, labels)
+                    # DDP all-reduces the gradients during the last micro-batch's backward
+                    scaler.scale(loss / accumulation if accumulation > 1 else loss).backward()
+                batch_in_epoch += 1
+                window[0] += loss.detach().float() * len(labels)
+                window[1] += (logits.argmax(dim=1) == labels).sum()
+                window[2] += len(labels)
+                if not last_micro_batch:
+                    continue
+                micro_batch = 0
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                step += 1
+                progress()
+                record.step(step)
 
-            if ends_log_window(step, cfg):
-                comm_share = comm_timer.share() if comm_timer else None if world_size > 1 else 0.0
-                dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
-                now = time.perf_counter()
-                loss_sum, correct, samples = window.tolist()
-                record.write(
-                    {
-                        "step": step,
-                        "max_steps": cfg.trainer.max_steps,
-                        "epoch": epoch,
-                        "loss": loss_sum / samples,
-                        "accuracy": correct / samples,
-                        "lr": lr,
-                        "samples_per_s": samples / (now - started),
-                        "step_time_ms": (now - started) / (step - window_start) * 1e3,
-                        "comm_share": comm_share,  # rank 0's last step of the window
-                        "world_size": world_size,
-                    }
-                )
-                window.zero_()
-                window_start, started = step, now
-            here = checkpoint.Position(step, epoch, batch_in_epoch)
-            if preemption.agreed():
-                save(here)
-                record.close()
-                if rank == 0:
-                    log.warning(
-                        "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
-                        step,
-                        " with a checkpoint" if checkpoints else " (checkpoints are off)",
-                        run_dir,
+                if ends_log_window(step, cfg):
+                    comm_share = (
+                        comm_timer.share() if comm_timer else None if world_size > 1 else 0.0
                     )
-                return True
-            if checkpoints and (
-                step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps
-            ):
-                save(here)
-            if step == cfg.trainer.max_steps:
-                break
-        else:  # the epoch ran out
-            epoch, batch_in_epoch = epoch + 1, 0
-    preemption.close()
-    record.close()
+                    dist.all_reduce(window)  # average over all ranks, not just rank 0's shard
+                    now = time.perf_counter()
+                    loss_sum, correct, samples = window.tolist()
+                    record.write(
+                        {
+                            "step": step,
+                            "max_steps": cfg.trainer.max_steps,
+                            "epoch": epoch,
+                            "loss": loss_sum / samples,
+                            "accuracy": correct / samples,
+                            "lr": lr,
+                            "samples_per_s": samples / (now - started),
+                            "step_time_ms": (now - started) / (step - window_start) * 1e3,
+                            "comm_share": comm_share,  # rank 0's last step of the window
+                            "world_size": world_size,
+                        }
+                    )
+                    window.zero_()
+                    window_start, started = step, now
+                here = checkpoint.Position(step, epoch, batch_in_epoch)
+                if preemption.agreed():
+                    save(here)
+                    record.close()
+                    if rank == 0:
+                        log.warning(
+                            "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
+                            step,
+                            " with a checkpoint" if checkpoints else " (checkpoints are off)",
+                            run_dir,
+                        )
+                    return True
+                if checkpoints and (
+                    step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.max_steps
+                ):
+                    save(here)
+                if step == cfg.trainer.max_steps:
+                    break
+            else:  # the epoch ran out
+                epoch, batch_in_epoch = epoch + 1, 0
+        preemption.close()
+        record.close()
     return False
 
 
