@@ -4,14 +4,16 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import env_with_path
 
 
+@pytest.mark.timeout(1500)  # about 8 minutes on 2 cores: multi-node runs, restarts, metrics
 def test_generated_projects_own_tests_pass(default_project, installed_default):
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=default_project, env=env_with_path(installed_default), capture_output=True, text=True,
-        timeout=600,
+        timeout=1400,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout
