@@ -119,7 +119,7 @@ class RunRecord:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close(plot=False)
+        self.close()
 
     def step(self, step: int) -> None:
         if self.progress:
@@ -145,8 +145,8 @@ class RunRecord:
         if self.progress:
             self.progress.show(row)
 
-    def close(self, plot: bool = True) -> None:
-        """Once: stop the bar, close the files, draw metrics.png (a failure to draw is a warning)."""
+    def close(self) -> None:
+        """Once: stop the bar, close the files."""
         if not self.enabled:
             return
         self.enabled = False
@@ -154,15 +154,6 @@ class RunRecord:
             self.progress.stop()
         self.writer.close()
         self.csv_file.close()
-        if not plot:
-            return
-        try:
-            path = plot_metrics(self.run_dir)
-        except Exception as err:  # the run itself is done and saved
-            log.warning("no metrics.png: %s: %s", type(err).__name__, err)
-            return
-        if path:
-            log.info("plot %s", path.relative_to(self.run_dir))
 
 
 class ProgressBar:
@@ -202,6 +193,17 @@ class ProgressBar:
         self.bar.stop()
         for handler, stream in self.streams.items():
             handler.setStream(stream)
+
+
+def plot_and_log(run_dir: Path) -> None:
+    """metrics.png at the end of a run; a failure to draw it is a warning, the run is saved."""
+    try:
+        path = plot_metrics(run_dir)
+    except Exception as err:
+        log.warning("no metrics.png: %s: %s", type(err).__name__, err)
+        return
+    if path:
+        log.info("plot %s", path.relative_to(run_dir))
 
 
 def read_rows(run_dir: Path) -> list[dict[str, float]]:

@@ -244,7 +244,7 @@ def train(
 
     step, epoch, batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
     record = metrics.RunRecord(run_dir, cfg.trainer.max_steps, step, enabled=rank == 0)
-    with record:  # on an error too: the bar stops and the files close (no plot)
+    with record:  # on an error or SIGTERM too: the bar stops and the files close
         window = torch.zeros(3, device=device)  # summed loss, correct predictions, samples
         micro_batch, window_start, started = 0, step, time.perf_counter()
         while step < cfg.trainer.max_steps:
@@ -306,7 +306,6 @@ def train(
                 here = checkpoint.Position(step, epoch, batch_in_epoch)
                 if preemption.agreed():
                     save(here)
-                    record.close()
                     if rank == 0:
                         log.warning(
                             "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
@@ -324,7 +323,6 @@ def train(
             else:  # the epoch ran out
                 epoch, batch_in_epoch = epoch + 1, 0
         preemption.close()
-        record.close()
     return False
 
 
@@ -374,6 +372,8 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
         preempted = train(cfg, device, run_dir, control, progress=watchdog.beat)
         gc.collect()  # drop DDP's reducer before the barrier: gloo may abort at exit otherwise
         dist.barrier()
+        if rank == 0:  # once train() has let go of its DataLoader workers
+            metrics.plot_and_log(run_dir)
     except Exception as err:
         failure = failfast.as_collective_failure(err, phase="training")
         if failure is None:
