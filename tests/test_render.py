@@ -199,6 +199,14 @@ def test_manifests_pass_strict_kubernetes_validation(rendered):
     assert done.stdout.count("passed") == len(manifests) == (3 if with_service else 2)
 
 
+def assert_refuses_only_the_broken(schema: dict, valid: dict, *broken: dict) -> None:
+    """A shipped CRD schema is not a pass-everything stub: it takes `valid`, refuses each of `broken`."""
+    jsonschema.validate(valid, schema)
+    for manifest in broken:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(manifest, schema)
+
+
 def test_jobset_passes_its_crd_schema(rendered):
     if rendered.flavor != "jobset":
         assert not (rendered.path / "k8s" / "jobset.yaml").exists()
@@ -216,14 +224,13 @@ def test_the_jobset_schema_refuses_what_the_crd_refuses():
     """The shipped schema is not a pass-everything stub."""
     valid = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {},
              "spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {}}}]}}  # fmt: skip
-    jsonschema.validate(valid, JOBSET_SCHEMA)
-    for broken in (
+    assert_refuses_only_the_broken(
+        JOBSET_SCHEMA,
+        valid,
         {**valid, "spec": {**valid["spec"], "replicas": 2}},  # unknown field
         {**valid, "spec": {"replicatedJobs": [{"name": "node"}]}},  # template is required
         {**valid, "spec": {**valid["spec"], "failurePolicy": {"restartStrategy": "Sometimes"}}},
-    ):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(broken, JOBSET_SCHEMA)
+    )
 
 
 def test_pytorchjob_passes_its_crd_schema_and_the_operators_rules(rendered):
@@ -261,15 +268,14 @@ def test_pytorchjob_passes_its_crd_schema_and_the_operators_rules(rendered):
 def test_the_pytorchjob_schema_refuses_what_the_crd_refuses():
     valid = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {},
              "spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {}}}}}  # fmt: skip
-    jsonschema.validate(valid, PYTORCHJOB_SCHEMA)
-    for broken in (
+    assert_refuses_only_the_broken(
+        PYTORCHJOB_SCHEMA,
+        valid,
         {**valid, "spec": {**valid["spec"], "replicas": 2}},  # unknown field
         {**valid, "spec": {"nprocPerNode": "2"}},  # pytorchReplicaSpecs is required
         {**valid, "spec": {**valid["spec"], "nprocPerNode": 2}},  # a string in the CRD
         {**valid, "spec": {**valid["spec"], "runPolicy": {"cleanPodPolicy": "Running", "ttl": 1}}},
-    ):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(broken, PYTORCHJOB_SCHEMA)
+    )
 
 
 def test_job_env_block_carries_the_profile(rendered):

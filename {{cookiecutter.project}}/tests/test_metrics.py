@@ -145,6 +145,9 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from the checkpoint of step 40" in (run_dir / "train.log").read_text()
     assert [row["step"] for row in metrics.read_rows(run_dir)] == [20, 40, 60]
+    assert (
+        (run_dir / "metrics.csv").read_text().splitlines()[1].startswith("20,60,0,")
+    )  # as written
     assert [row["step"] for row in read_metrics(run_dir)] == [20, 40, 60]
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()

@@ -101,7 +101,7 @@ class RunRecord:
 
         # A resumed run starts again after its checkpoint: forget what was logged past it.
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
-        kept = [row for row in read_rows(run_dir) if row["step"] <= start_step]
+        kept = [row for row in read_raw_rows(run_dir) if float(row["step"]) <= start_step]
         self.csv_file = (run_dir / "metrics.csv").open("w", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=COLUMNS)
         self.csv.writeheader()
@@ -206,15 +206,20 @@ def plot_and_log(run_dir: Path) -> None:
         log.info("plot %s", path.relative_to(run_dir))
 
 
-def read_rows(run_dir: Path) -> list[dict[str, float]]:
+def read_raw_rows(run_dir: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows as written, so that a rewrite keeps them as they were."""
     path = run_dir / "metrics.csv"
     if not path.exists():
         return []
     with path.open(newline="") as rows:
-        return [
-            {key: float(value) if value else None for key, value in row.items()}
-            for row in csv.DictReader(rows)
-        ]
+        return list(csv.DictReader(rows))
+
+
+def read_rows(run_dir: Path) -> list[dict[str, float | None]]:
+    return [
+        {key: float(value) if value else None for key, value in row.items()}
+        for row in read_raw_rows(run_dir)
+    ]
 
 
 def plot_metrics(run_dir: Path) -> Path | None:

@@ -145,12 +145,10 @@ def wrap_ddp(
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # grads live in the buckets: no copy
         static_graph=cfg.static_graph,  # the same parameters get gradients every step
     )
-    if not cfg.time_comm:
-        if COMM_HOOKS[cfg.comm_hook]:
-            model.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
-        return model, None
-    timer = metrics.CommTimer(COMM_HOOKS[cfg.comm_hook], device)
-    model.register_comm_hook(None, timer.hook)
+    hook = COMM_HOOKS[cfg.comm_hook]
+    timer = metrics.CommTimer(hook, device) if cfg.time_comm else None
+    if timer or hook:  # else DDP's built-in all-reduce
+        model.register_comm_hook(None, timer.hook if timer else hook)
     return model, timer
 
 
