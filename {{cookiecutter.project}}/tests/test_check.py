@@ -20,7 +20,33 @@ BAD = [
         "trainer.max_steps=many",
         "trainer.max_steps: Value 'many' of type 'str' could not be converted to Integer",
     ),
-    ("trainer.lr=0", "trainer.lr=0.0: must be greater than 0"),
+    ("trainer.lr=0", "trainer.lr=0.0: must be a finite number above 0"),
+    ("trainer.lr=inf", "trainer.lr=inf: must be a finite number above 0"),
+    ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
+    ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
+    (
+        "trainer.max_grad_norm=0",
+        "trainer.max_grad_norm=0.0: must be null (no clipping) or a finite",
+    ),
+    (
+        "trainer.max_grad_norm=nan",
+        "trainer.max_grad_norm=nan: must be null (no clipping) or a finite",
+    ),
+    (
+        "trainer.on_nonfinite=ignore",
+        "trainer.on_nonfinite: Invalid value 'ignore', expected one of [stop, skip]",
+    ),
+    ("model=gpt", "model: a GPT reads token sequences; use data=tokens"),
+    ("data=tokens", "model: an MLP reads labelled points; use data=synthetic"),
+    (
+        "model=gpt data=tokens model.d_model=100 model.n_head=3",
+        "model.d_model=100: must be a positive multiple of model.n_head=3",
+    ),
+    (
+        "model=gpt data=tokens model.depth=3",
+        "model.depth: no such key; allowed: n_layer, n_head, d_model",
+    ),
+    ("data=tokens model=gpt data.vocab_size=1", "data.vocab_size=1: must be at least 2"),
     (
         "trainer.precision=fp8",
         "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
@@ -41,7 +67,7 @@ BAD = [
         "data.on_device=true data.num_workers=2",
         "data.num_workers=2: must be 0 with data.on_device=true",
     ),
-    ("experiment=huge", "experiment=huge: no such option; allowed: mlp_134m"),
+    ("experiment=huge", "experiment=huge: no such option; allowed: gpt2_small, mlp_134m, smoke"),
     ("dist.timeout_s=0", "dist.timeout_s=0: must be at least 1 second"),
     ("dist.backend=mpi", "dist.backend: Invalid value 'mpi', expected one of [auto, nccl, gloo]"),
     ("dist.async_error_handling=5", "dist.async_error_handling=5: must be null, 0, 1, 2 or 3"),

@@ -25,6 +25,7 @@ TRANSPORT = re.compile(r"via (P2P/[\w/]+|SHM/[\w/]+|NET/[\w/]+)")
 def test_two_gpus_train_with_nccl(tmp_path, profile):
     run_dir = tmp_path / "run"
     done = torchrun(tmp_path, f"nccl={profile}", "trainer.max_steps=300", f"hydra.run.dir={run_dir}",
+                    "dist.time_comm=true", "trainer.max_grad_norm=1.0",  # every metric, on CUDA
                     env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,P2P,SHM,NET"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     transports = sorted(set(TRANSPORT.findall(done.stdout + done.stderr)))
@@ -44,6 +45,7 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
     assert checkpoint.checkpoint_paths(run_dir)[-1].name == "step_000000300.pt"
     # the comm hook's CUDA events: an all-reduce was in flight for part of each timed step
     assert all(0 < row["comm_share"] <= 1 for row in rows)
+    assert all(0 < row["grad_norm"] < 1e3 for row in rows)
     assert (run_dir / "metrics.png").exists() and list((run_dir / "tensorboard").iterdir())
     samples_per_s = sum(row["samples_per_s"] for row in rows[1:]) / len(rows[1:])  # after warm-up
     comm = sorted(row["comm_share"] for row in rows)[len(rows) // 2]

@@ -14,15 +14,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from {{ cookiecutter.package }} import metrics
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
+MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default
 BAR = "━"  # rich's bar
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One 2-process run without a terminal, and its output."""
+    """One 2-process run without a terminal, every column measured, and its output."""
     tmp_path = tmp_path_factory.mktemp("metrics")
     run_dir = tmp_path / "run"
-    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={run_dir}")
+    done = torchrun(tmp_path, *RUN, *MEASURED, f"hydra.run.dir={run_dir}")
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout + done.stderr
 
@@ -35,16 +36,18 @@ def test_csv_and_jsonl_hold_the_same_rows(run):
     jsonl = read_metrics(run_dir)
     assert [int(row["step"]) for row in table] == [row["step"] for row in jsonl] == [20, 40, 60]
     for row, same in zip(table, jsonl, strict=True):
-        assert {key: float(value) for key, value in row.items()} == pytest.approx(same)
+        assert {key: float(value) if value else None for key, value in row.items()} == same
 
 
-def test_rows_carry_learning_rate_throughput_and_communication_share(run):
+def test_rows_carry_learning_rate_throughput_gradient_norm_and_communication_share(run):
     rows = read_metrics(run[0])
     # linear warm-up over 40 steps: the rate used by step s is min(1, s / 40) x trainer.lr
     assert [row["lr"] for row in rows] == pytest.approx([0.003 * 20 / 40, 0.003, 0.003])
     assert all(row["samples_per_s"] > 0 and row["step_time_ms"] > 0 for row in rows)
     # gloo all-reduces on a thread of its own: some of every timed step has one in flight
     assert all(0 < row["comm_share"] <= 1 for row in rows)
+    assert all(0 < row["grad_norm"] < 100 for row in rows)
+    assert "grad norm" in run[1] and "comm" in run[1]
 
 
 def test_tensorboard_events_hold_every_scalar(run):
@@ -125,13 +128,25 @@ def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
     assert empty.returncode == 2 and empty.stderr == f"{tmp_path}: no metrics.csv with rows\n"
 
 
-def test_without_comm_timing_the_share_is_left_empty(tmp_path):
-    """dist.time_comm=false: DDP's built-in all-reduce, no Python hook, no figure to report."""
-    done = torchrun(tmp_path, *RUN, "dist.time_comm=false", f"hydra.run.dir={tmp_path / 'run'}")
+def test_by_default_communication_and_gradient_norm_are_not_measured(tmp_path):
+    """dist.time_comm=false and no clipping: DDP's built-in all-reduce, no Python hook and no
+    pass over the gradients, so no figure to report."""
+    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert all(row["comm_share"] is None for row in read_metrics(tmp_path / "run"))
-    assert all(row["comm_share"] is None for row in metrics.read_rows(tmp_path / "run"))
-    assert "comm n/a" in (tmp_path / "run" / "train.log").read_text()
+    for rows in (read_metrics(tmp_path / "run"), metrics.read_rows(tmp_path / "run")):
+        assert all(row["comm_share"] is None and row["grad_norm"] is None for row in rows)
+    progress = [
+        line
+        for line in (tmp_path / "run" / "train.log").read_text().splitlines()
+        if "  loss " in line
+    ]
+    assert len(progress) == 3 and progress[-1].endswith(" ms/step")  # nothing after the step time
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(metrics.TENSORBOARD_TAGS.values()) - {
+        "perf/comm_share",
+        "train/grad_norm",
+    }
 
 
 def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):

@@ -70,3 +70,40 @@ def test_every_config_group_ships_in_the_wheel():
     }
     missing = expected - set(packages)
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_values_live_in_the_yaml_and_the_schemas_hold_none():
+    """One place for each default: configs/. The schemas give types and checks only; NcclConfig's
+    None and {} mean "not set", so a profile lists just what it sets."""
+    import dataclasses
+
+    from omegaconf import MISSING
+
+    from {{ cookiecutter.package }} import config
+
+    schemas = [config.MlpConfig, config.GptConfig, config.PointsConfig, config.TokensConfig,
+               config.TrainerConfig, config.DistConfig, config.DeployConfig, config.TrainConfig]  # fmt: skip
+    for schema in schemas:
+        for field in dataclasses.fields(schema):
+            assert field.default is MISSING, f"{schema.__name__}.{field.name} has a default"
+    unset = {f.name: f.default for f in dataclasses.fields(config.NcclConfig) if f.name != "env"}
+    assert set(unset.values()) == {None, False} and unset["auto"] is False
+
+
+def test_every_yaml_value_says_what_it_is_for():
+    """As lightning-hydra-template does: a comment on every key that sets a value, in every
+    config file, so that `configs/` reads as the documentation of the knobs."""
+    bare = []
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        if "hydra" in path.parts:
+            continue  # Hydra's logging config: its keys are Python's logging.config schema
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            sets_a_value = (
+                ":" in code
+                and not code.rstrip().endswith(":")
+                and not code.lstrip().startswith("-")
+            )
+            if sets_a_value and "#" not in line:
+                bare.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert bare == []

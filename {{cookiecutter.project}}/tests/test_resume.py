@@ -31,7 +31,7 @@ def test_checkpoints_hold_what_a_resume_needs_and_only_the_newest_are_kept(tmp_p
     assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
     state = torch.load(paths[-1])  # plain torch.load, safe (weights_only) by default
     assert state["step"] == 50 and state["data"] == {"step": 50, "epoch": 0, "batch_in_epoch": 50}
-    assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= state.keys()
+    assert {"model", "optimizer", "scaler", "rng", "config"} <= state.keys()
     assert len(state["rng"]) == 2 and not any(k.startswith("module.") for k in state["model"])
     assert state["config"]["trainer"]["max_steps"] == 50
 
@@ -133,3 +133,22 @@ def test_separate_static_rendezvous_launches_get_separate_run_dirs(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
     assert len(runs) == 2 and all(name.startswith("launcher-") for name in runs)
+
+
+def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(tmp_path):
+    """trainer.lr=1e30 passes the check (it is finite) and blows the weights up at once: the run
+    ends at the first log window with one line, and the earlier checkpoints stay as they were."""
+    common = ("trainer.checkpoint_every=10", "trainer.log_every=5", "hydra.run.dir=run")
+    assert torchrun(tmp_path, "trainer.max_steps=20", *common).returncode == 0
+    good = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
+    done = torchrun(tmp_path, "trainer.max_steps=60", "trainer.lr=1e30", *common)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("training diverged")]
+    assert lines == [
+        "training diverged: step 25: the loss is not finite; nothing was saved from it. Lower "
+        "trainer.lr (now 1e+30) or set trainer.max_grad_norm, and resume from step_000000020.pt "
+        "(relaunch with the same hydra.run.dir)"
+    ]
+    assert f"{PACKAGE}/" not in done.stderr  # no traceback through the project's code
+    after = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
+    assert after == good

@@ -177,3 +177,21 @@ def test_checkpoints_off_writes_none_and_metrics_carry_the_step_time(tmp_path):
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [10, 20]
     assert all(row["step_time_ms"] > 0 for row in rows)
+
+
+def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
+    """model=gpt on data=tokens: each next token is a fixed function of the one before plus one
+    of NOISE values, so the loss falls from log(vocab) to near log(NOISE), never under it."""
+    import math
+
+    from {{ cookiecutter.package }}.data import NOISE
+
+    done = torchrun(
+        tmp_path, "model=gpt", "data=tokens", "model.d_model=64", "model.n_layer=2",
+        "data.seq_len=32", "data.vocab_size=64", "trainer.lr=0.01", "trainer.max_steps=100",
+        "trainer.log_every=25", "hydra.run.dir=run",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
+    assert losses[0] < math.log(64) and losses[-1] < math.log(NOISE) + 0.25
+    assert min(losses) > math.log(NOISE) - 0.05

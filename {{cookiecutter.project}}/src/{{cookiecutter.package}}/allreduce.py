@@ -9,11 +9,12 @@ all-reduce) and GB/s per size. The doctor runs this once per NCCL profile.
 
 import argparse
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from {{ cookiecutter.package }}.world import World
 
 MIB = 2**20
 MIN_TIMED_S = 0.3  # per size: enough iterations to smooth launch jitter, few enough to be quick
@@ -55,7 +56,7 @@ def main() -> None:
     )
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 1024])
     args = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = World.from_env().local_rank
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

@@ -1,26 +1,26 @@
-"""Measure the training step: on 1 GPU, on all local GPUs, and against a minimal hand-written loop.
+"""Is the template's loop as fast as a hand-written DDP loop? Both, interleaved, in one launch.
 
-    python -m {{ cookiecutter.package }}.bench                                 # the default model
-    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m             # the 134M-parameter bench model
-    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m nccl=pcie_safe --json pcie_safe.json
-    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m dist.bucket_cap_mb=25 --steps 100
+    python -m {{ cookiecutter.package }}.bench                                   # the default model
+    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m               # the 134M-parameter MLP
+    python -m {{ cookiecutter.package }}.bench experiment=gpt2_small --pairs 7   # GPT-2 small's shape
+    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m dist.bucket_cap_mb=25 --json b25.json
 
-Every measurement but one is a real training launch (`torchrun -m {{ cookiecutter.package }}.train` with the
-overrides given, checkpoints off), timed by its own metrics: the median step time of the windows
-after the warm-up.
-  - 1 process, then one per local GPU (2 CPU processes without CUDA): step time, samples/s, and
-    the scaling efficiency, N-process samples/s over N times the 1-process samples/s.
-  - All GPUs again with dist.comm_hook=noop: the same step with no gradient communication. The
-    difference is the communication the step does not hide ("exposed").
-  - A minimal hand-written loop (the model, the same optimizer and autocast, batches already on
-    the device, nothing else) in 1 process: the template's overhead ratio.
-  - The all-reduce bus bandwidth at the gradients' size, under the same NCCL settings.
-It prints a table and writes every figure as JSON (--json).
+One torchrun launch over every local GPU (2 CPU processes without CUDA) times, pair after pair:
+  - the template: trainer.Trainer, the loop that train runs, with the overrides given and
+    checkpoints off, timed by its own log windows;
+  - the reference: a minimal hand-written DDP loop with the same model, optimizer, autocast, DDP
+    knobs and micro-batches, on fixed batches already on the device;
+first on 1 GPU (rank 0 alone, no DDP), then on all of them; the order within a pair alternates.
+Step times drift between launches and within one, so every figure is a ratio within one pair:
+template / reference for 1 and N GPUs, and the scaling efficiency 1 -> N of each, as the median
+and range over the pairs. Also the time of one all-reduce of the fp32 gradients under the same
+NCCL settings. It prints a table and writes every figure as JSON (--json).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -30,219 +30,281 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import check, doctor, nccl, probe
-from {{ cookiecutter.package }}.config import TrainConfig, uses_cuda
+from {{ cookiecutter.package }} import allreduce, check, ddp, train
+from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
 from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.train import AUTOCAST
+from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
+from {{ cookiecutter.package }}.world import World
 
 PACKAGE = __package__
-WINDOW = 10  # steps per timing window: train's log_every here
-MINIMAL_LINE = re.compile(r"^BENCH (\[.*\])$", re.MULTILINE)
+WINDOW = 10  # steps per timing window, for both loops
+RESULT_LINE = re.compile(r"^BENCH (\{.*\})$", re.MULTILINE)
 
 
 class BenchFailed(RuntimeError):
-    """A launch of the bench failed; the message says which and how."""
+    """The launch failed; the message says how."""
 
 
-def tail(text: str, lines: int = 12) -> str:
-    """The first exception a worker raised if there is one (torchrun's own summary follows it and
-    says little), else the last lines."""
-    raised = re.search(
-        r"^(?:\[rank\d+\]: )?(?:\w+\.)*\w+(?:Error|Exception): .*$", text, re.MULTILINE
-    )
-    return raised.group(0) if raised else "\n".join(text.strip().splitlines()[-lines:])
+# --- the worker: runs under torchrun ------------------------------------------------------
 
 
-def run(command: list[str], what: str, timeout_s: float, env: dict | None = None) -> str:
-    try:
-        done = subprocess.run(
-            command, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-            timeout=timeout_s,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise BenchFailed(f"{what}: no result within {timeout_s:g} s") from None
-    if done.returncode != 0:
-        raise BenchFailed(f"{what}: exit {done.returncode}\n{tail(done.stdout + done.stderr)}")
-    return done.stdout + done.stderr
-
-
-def summary(window_ms: list[float], samples_per_step: int) -> dict:
-    step_ms = statistics.median(window_ms)
-    return {
-        "step_time_ms": round(step_ms, 3),
-        "samples_per_s": round(samples_per_step / step_ms * 1e3, 1),
-        "window_step_ms": [round(ms, 3) for ms in window_ms],
-    }
-
-
-def train_windows(
-    overrides: list[str], nproc: int, run_dir: Path, warmup: int, steps: int, timeout_s: float
-) -> list[float]:
-    """Step times (ms) of the timing windows after the warm-up, from train's own metrics."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.train", *overrides,
-               f"trainer.max_steps={warmup + steps}", f"trainer.log_every={WINDOW}",
-               "trainer.checkpoint_every=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    run(command, f"training with {nproc} process(es)", timeout_s)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["step_time_ms"] for row in rows if row["step"] > warmup]
-
-
-def minimal_windows(cfg: TrainConfig, warmup: int, steps: int) -> list[float]:
-    """The same step with nothing around it: what a hand-written script for this model does."""
-    cuda = uses_cuda(cfg.dist.backend)
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+def reference_ms(
+    cfg: TrainConfig, world: World, device: torch.device, warmup: int, steps: int
+) -> float:
+    """A minimal hand-written DDP loop, as the DDP tutorial writes one: median window step time."""
+    cuda = device.type == "cuda"
     torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model, cfg.data).to(device)
-    forward = torch.compile(model) if cfg.trainer.compile else model
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-        fused=(cfg.trainer.fused_optimizer and cuda) or None,
-    )  # fmt: skip
+    with device:
+        model = build_model(cfg.model, cfg.data)
+    if world.size > 1:
+        model = DDP(model, device_ids=[device] if cuda else None, bucket_cap_mb=cfg.dist.bucket_cap_mb,
+                    gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+                    static_graph=cfg.dist.static_graph)  # fmt: skip
+        if ddp.COMM_HOOKS[cfg.dist.comm_hook]:
+            model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                                  fused=(cfg.trainer.fused_optimizer and cuda) or None)  # fmt: skip
     dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
-    batch, accumulation = cfg.data.batch_size, cfg.trainer.grad_accumulation
-    batches = [
-        (torch.randn(batch, cfg.data.num_features, device=device),
-         torch.randint(cfg.data.num_classes, (batch,), device=device))
-        for _ in range(8)
-    ]  # fmt: skip
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    accumulation = cfg.trainer.grad_accumulation
+    batches = [random_batch(cfg, device) for _ in range(accumulation)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     windows = []
     for _ in range((warmup + steps) // WINDOW):
         sync()
         started = time.perf_counter()
-        for step in range(WINDOW):
-            for micro in range(accumulation):
-                inputs, labels = batches[(step * accumulation + micro) % len(batches)]
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    loss = F.cross_entropy(forward(inputs), labels)
-                (loss / accumulation).backward()
-            optimizer.step()
+        for _ in range(WINDOW):
+            for i, (inputs, labels) in enumerate(batches, start=1):
+                with model.no_sync() if i < accumulation and world.size > 1 else nullcontext():
+                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                        loss = F.cross_entropy(model(inputs).flatten(0, -2), labels.flatten())
+                    scaler.scale(loss / accumulation).backward()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
         sync()
         windows.append((time.perf_counter() - started) / WINDOW * 1e3)
-    return windows[warmup // WINDOW :]
+    return statistics.median(windows[warmup // WINDOW :])
 
 
-def gradient_allreduce(
-    cfg: TrainConfig, profile: str, nproc: int, gradient_bytes: int, timeout_s: float
-) -> dict:
-    """Bus bandwidth of one all-reduce the size of the gradients, under the NCCL settings that
-    training would use here, and the time it takes."""
-    facts = probe.probe_node() if cfg.nccl.auto else probe.basic_facts()
-    env = nccl.decide(cfg.nccl, facts, os.environ).env if uses_cuda(cfg.dist.backend) else {}
-    size_mib = max(1, round(gradient_bytes / 2**20))
-    result = doctor.run_profile(profile, env, nproc, [size_mib], timeout_s)
-    if result.result != "works":
-        raise BenchFailed(f"all-reduce under nccl={profile}: {result.result} {result.error}")
-    busbw = result.busbw_gbps[f"{size_mib}MiB"]
-    algbw = busbw * nproc / (2 * (nproc - 1))  # bus bandwidth back to bytes per second moved
+def random_batch(cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    size, data = cfg.data.batch_size, cfg.data
+    if isinstance(data, TokensConfig):
+        shape = (size, data.seq_len)
+        return (torch.randint(data.vocab_size, shape, device=device),
+                torch.randint(data.vocab_size, shape, device=device))  # fmt: skip
+    return (torch.randn(size, data.num_features, device=device),
+            torch.randint(data.num_classes, (size,), device=device))  # fmt: skip
+
+
+def template_ms(
+    cfg: TrainConfig,
+    world: World,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    run_dir: Path,
+    warmup: int,
+    steps: int,
+) -> float:
+    """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
+    timed = replace(cfg.trainer, max_steps=warmup + steps, log_every=WINDOW, checkpoint_every=0)
+    Trainer(replace(cfg, trainer=timed), world, device, run_dir, control).train()
+    if not world.main:
+        return float("nan")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(row["step_time_ms"] for row in rows if row["step"] > warmup)
+
+
+def gradient_allreduce(parameters: int, device: torch.device, world: World) -> dict:
+    """One all-reduce of fp32 gradients, as DDP's buckets add up to, back to back."""
+    tensor = torch.ones(parameters, device=device)
+    allreduce.time_all_reduce(tensor, 2)  # warm-up
+    seconds = allreduce.time_all_reduce(tensor, 10)
     return {
-        "size_mib": size_mib,
-        "busbw_gbps": busbw,
-        "time_ms": round(gradient_bytes / (algbw * 1e9) * 1e3, 3),
-        "env": env,
+        "mib": round(tensor.nbytes / 2**20, 1),
+        "time_ms": round(seconds * 1e3, 3),
+        "busbw_gbps": round(allreduce.bus_bandwidth_gbps(tensor.nbytes, seconds, world.size), 3),
     }
 
 
-def bench(
-    cfg: TrainConfig, overrides: list[str], nproc: int, warmup: int, steps: int, timeout_s: float
-) -> dict:
-    cuda = torch.cuda.is_available()
+def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: int) -> None:
+    world = World.from_env()
+    cfg = check.load_config(overrides)
     profile = check.choice("nccl", overrides)
+    train.apply_nccl_env(cfg, world, profile, scratch)
+    device = train.select_device(cfg, world)
+    train.init_process_group(cfg, world, device)
+    control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    sizes = sorted({1, world.size})
+    times = {n: {"template": [], "reference": []} for n in sizes}
+    for pair in range(pairs):
+        for n in sizes:
+            on = replace(world, size=n, local_size=min(n, world.local_size))
+            order = ["reference", "template"] if pair % 2 == 0 else ["template", "reference"]
+            for loop in order:
+                ms = float("nan")
+                if world.rank < n:  # 1 GPU: rank 0 alone, the others wait
+                    if loop == "template":
+                        run_dir = scratch / f"template-{n}-{pair}"
+                        ms = template_ms(cfg, on, device, control, run_dir, warmup, steps)
+                    else:
+                        ms = reference_ms(cfg, on, device, warmup, steps)
+                    gc.collect()  # DDP's reducer holds cycles: free its memory now
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                dist.barrier(group=control)
+                times[n][loop].append(round(ms, 4))
     with torch.device("meta"):
         parameters = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
-    per_step = cfg.data.batch_size * cfg.trainer.grad_accumulation
-    report: dict = {
-        "overrides": overrides,
-        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-        "processes": nproc,
-        "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-        "nccl_profile": profile if cuda else None,
-        "parameters": parameters,
-        "batch_per_process": per_step,
-        "precision": cfg.trainer.precision.value if cuda else "fp32",
-        "warmup_steps": warmup,
-        "timed_steps": steps,
-        "runs": {},
+    gradients = gradient_allreduce(parameters, device, world) if world.size > 1 else None
+    if world.main:
+        cuda = device.type == "cuda"
+        result = {
+            "overrides": overrides,
+            "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "nccl_profile": profile if cuda else None,
+            "processes": world.size,
+            "parameters": parameters,
+            "batch_per_process": cfg.data.batch_size * cfg.trainer.grad_accumulation,
+            "precision": cfg.trainer.precision.value if cuda else "fp32",
+            "pairs": pairs,
+            "warmup_steps": warmup,
+            "timed_steps": steps,
+            "step_ms": {str(n): loops for n, loops in times.items()},
+            "gradient_allreduce": gradients,
+        }
+        print("BENCH " + json.dumps(result), flush=True)
+    gc.collect()
+    dist.barrier()  # gloo can abort at exit if a peer is still tearing down (see train.main_worker)
+    dist.destroy_process_group()
+
+
+# --- the figures: pure functions of the worker's times --------------------------------------
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
     }
-    runs = report["runs"]
-    minimal = run(
-        [sys.executable, "-m", f"{PACKAGE}.bench", "--minimal", "--warmup", str(warmup),
-         "--steps", str(steps), *overrides],
-        "the minimal loop", timeout_s, env={"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
-    )  # fmt: skip
-    runs["minimal_1"] = summary(json.loads(MINIMAL_LINE.search(minimal).group(1)), per_step)
-    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        launches = [("template_1", 1, []), (f"template_{nproc}", nproc, [])]
-        if nproc > 1:
-            launches.append((f"no_grad_sync_{nproc}", nproc, ["dist.comm_hook=noop"]))
-        for name, n, extra in launches:
-            windows = train_windows(
-                [*overrides, *extra], n, Path(scratch) / name, warmup, steps, timeout_s
+
+
+def figures(result: dict) -> dict:
+    """Ratios within each pair; impossible values (an efficiency above 1, more of the all-reduce
+    hidden than it lasts) are clamped and named in `noise`."""
+    times, n = result["step_ms"], result["processes"]
+    report = {**result, "noise": []}
+    report["template_over_reference"] = {
+        size: spread([t / r for t, r in zip(loops["template"], loops["reference"], strict=True)])
+        for size, loops in times.items()
+    }
+    if n == 1:
+        return report
+    one, many = times["1"], times[str(n)]
+    efficiency = {}
+    for loop in ("template", "reference"):
+        raw = spread([t1 / tn for t1, tn in zip(one[loop], many[loop], strict=True)])
+        if raw["median"] > 1:
+            report["noise"].append(
+                f"{loop} scaling efficiency {raw['median']:.2f} is above 1, which cannot be: the "
+                f"{n} processes did not run as fast as one each (CPU processes share cores)"
             )
-            runs[name] = summary(windows, per_step * n)
-    one, many = runs["template_1"], runs[f"template_{nproc}"]
-    report["overhead_ratio"] = round(one["step_time_ms"] / runs["minimal_1"]["step_time_ms"], 3)
-    if nproc > 1:
-        report["scaling_efficiency"] = round(
-            many["samples_per_s"] / (nproc * one["samples_per_s"]), 3
+        efficiency[loop] = {key: min(1.0, value) for key, value in raw.items()}
+    report["scaling_efficiency"] = efficiency
+    exposed = statistics.median(
+        tn - t1 for t1, tn in zip(one["template"], many["template"], strict=True)
+    )
+    allreduce_ms = result["gradient_allreduce"]["time_ms"]
+    hidden = 1 - exposed / allreduce_ms
+    if not 0 <= hidden <= 1:
+        report["noise"].append(
+            f"the step on {n} is {exposed:.2f} ms longer than on one, against an all-reduce of "
+            f"{allreduce_ms:.2f} ms: the difference is not communication alone"
         )
-        exposed = many["step_time_ms"] - runs[f"no_grad_sync_{nproc}"]["step_time_ms"]
-        report["exposed_comm_ms"] = round(exposed, 3)
-        report["exposed_comm_share"] = round(exposed / many["step_time_ms"], 3)
-        allreduce = gradient_allreduce(cfg, profile, nproc, parameters * 4, timeout_s)
-        report["gradient_allreduce"] = allreduce
-        report["comm_hidden_share"] = round(max(0.0, 1 - exposed / allreduce["time_ms"]), 3)
+    report["exposed_comm_ms"] = round(exposed, 3)
+    report["comm_hidden_share"] = round(min(1.0, max(0.0, hidden)), 3)
     return report
 
 
 def render(report: dict) -> str:
-    runs, n = report["runs"], report["processes"]
+    n, gpus = report["processes"], bool(report["nccl"])
 
     def on(count: int) -> str:
-        if report["nccl"]:
+        if gpus:
             return f"{count} GPU" + ("s" if count > 1 else "")
         return f"{count} CPU process" + ("es" if count > 1 else "")
 
+    def cell(stats: dict) -> str:
+        return f"{stats['median']:.3f} ({stats['min']:.3f}-{stats['max']:.3f})"
+
     lines = [
         f"{report['device']}, torch {report['torch']}"
-        + (f", NCCL {report['nccl']}, nccl={report['nccl_profile']}" if report["nccl"] else ""),
+        + (f", NCCL {report['nccl']}, nccl={report['nccl_profile']}" if gpus else ""),
         f"{report['parameters'] / 1e6:.1f}M parameters, batch {report['batch_per_process']} per "
-        f"process, {report['precision']}; {report['timed_steps']} timed steps after "
-        f"{report['warmup_steps']}; overrides: {' '.join(report['overrides']) or 'none'}",
+        f"process, {report['precision']}; {report['pairs']} pairs of {report['timed_steps']} timed "
+        f"steps after {report['warmup_steps']}; overrides: {' '.join(report['overrides']) or 'none'}",
         "",
+        "median (min-max) over the pairs",
     ]
-    labels = {
-        "minimal_1": f"minimal loop, {on(1)}",
-        "template_1": f"template, {on(1)}",
-        f"template_{n}": f"template, {on(n)}",
-        f"no_grad_sync_{n}": f"template, {on(n)}, no grad sync",
-    }
-    width = max(map(len, labels.values())) + 2
-    lines.append(f"{'run':<{width}}{'step ms':>9}{'samples/s':>12}")
-    for key, label in labels.items():
-        if key in runs:
-            row = runs[key]
-            lines.append(f"{label:<{width}}{row['step_time_ms']:9.2f}{row['samples_per_s']:12,.0f}")
-    lines += ["", f"overhead ratio (template / minimal, {on(1)}): {report['overhead_ratio']:.3f}"]
+    sizes = list(report["step_ms"])
+    lines.append(f"{'':<22}" + "".join(f"{on(int(size)):>26}" for size in sizes))
+    for loop in ("reference", "template"):
+        row = [cell(spread(report["step_ms"][size][loop])) for size in sizes]
+        lines.append(f"{loop + ' step ms':<22}" + "".join(f"{c:>26}" for c in row))
+    ratios = [cell(report["template_over_reference"][size]) for size in sizes]
+    lines.append(f"{'template / reference':<22}" + "".join(f"{c:>26}" for c in ratios))
     if "scaling_efficiency" in report:
-        allreduce = report["gradient_allreduce"]
+        efficiency = report["scaling_efficiency"]
+        allreduce_figures = report["gradient_allreduce"]
         lines += [
-            f"scaling efficiency (1 -> {n}): {report['scaling_efficiency']:.3f}",
-            f"gradient all-reduce ({allreduce['size_mib']} MiB): {allreduce['busbw_gbps']:.1f} GB/s "
-            f"bus bandwidth, {allreduce['time_ms']:.2f} ms",
-            f"exposed communication: {report['exposed_comm_ms']:.2f} ms, "
-            f"{report['exposed_comm_share']:.0%} of the {n}-process step; "
-            f"{report['comm_hidden_share']:.0%} of the all-reduce time is hidden",
+            "",
+            f"scaling efficiency 1 -> {n}: template {cell(efficiency['template'])}, "
+            f"reference {cell(efficiency['reference'])}",
+            f"all-reduce of the gradients ({allreduce_figures['mib']:.0f} MiB fp32): "
+            f"{allreduce_figures['time_ms']:.2f} ms, {allreduce_figures['busbw_gbps']:.1f} GB/s bus "
+            f"bandwidth; the {n}-{'GPU' if gpus else 'process'} step is "
+            f"{report['exposed_comm_ms']:.2f} ms longer than one "
+            f"({report['comm_hidden_share']:.0%} of the all-reduce hidden)",
         ]
+    lines += [f"noise: {note}" for note in report["noise"]]
     return "\n".join(lines)
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def launch(args: argparse.Namespace, nproc: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.bench", "--worker", scratch,
+                   "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   *args.overrides]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise BenchFailed(f"no result within {args.timeout_s:g} s") from None
+    output = done.stdout + done.stderr
+    found = RESULT_LINE.search(done.stdout)
+    if done.returncode != 0 or not found:
+        raised = [  # a worker's exception; torchrun's own ChildFailedError says little
+            line for line in re.findall(r"^(?:\[rank\d+\]: )?(?:\w+\.)*\w+(?:Error|Exception): .*$", output, re.MULTILINE)
+            if "ChildFailedError" not in line
+        ]  # fmt: skip
+        reason = raised[0] if raised else "\n".join(output.strip().splitlines()[-12:])
+        raise BenchFailed(f"exit {done.returncode}: {reason}")
+    return json.loads(found.group(1))
 
 
 def main() -> int:
@@ -250,27 +312,28 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--warmup", type=int, default=30, help="steps before timing (rounded up to 10s)"
+        "--pairs", type=int, default=5, help="template/reference pairs (at least 1)"
     )
-    parser.add_argument("--steps", type=int, default=60, help="timed steps (rounded up to 10s)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps (rounded up to 10s)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps (rounded up to 10s)")
     parser.add_argument(
-        "--json", type=Path, default=Path("bench.json"), help="where to write the figures"
+        "--json", type=Path, default=Path("bench.json"), help="where the figures go"
     )
-    parser.add_argument("--timeout-s", type=float, default=600, help="per launch")
-    parser.add_argument("--minimal", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout-s", type=float, default=1800, help="for the whole launch")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # its scratch dir
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    warmup = -(-max(0, args.warmup) // WINDOW) * WINDOW
-    steps = -(-max(1, args.steps) // WINDOW) * WINDOW
-    if args.minimal:
-        windows = minimal_windows(check.load_config(args.overrides), warmup, steps)
-        print("BENCH " + json.dumps(windows), flush=True)
+    args.pairs = max(1, args.pairs)
+    args.warmup = -(-max(0, args.warmup) // WINDOW) * WINDOW
+    args.steps = -(-max(1, args.steps) // WINDOW) * WINDOW
+    if args.worker:
+        worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
         return 0
-    nproc = probe.gpu_count() if torch.cuda.is_available() else 2
-    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as train will see it
-    cfg = check.load_or_exit(args.overrides)
+    nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
+    check.load_or_exit(args.overrides)
     try:
-        report = bench(cfg, args.overrides, nproc, warmup, steps, args.timeout_s)
+        report = figures(launch(args, nproc))
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return 1

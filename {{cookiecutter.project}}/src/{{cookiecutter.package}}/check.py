@@ -2,14 +2,15 @@
 
     python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
 
-train.py runs the same check before Hydra starts, so a bad value stops every rank before any run
-dir or process group exists. The Kubernetes Job runs it as an init container: its exit code 2 is
+train runs the same check (ConfigCheck) once Hydra has composed its config, before any run dir or
+process group exists. The Kubernetes Job runs it as an init container: its exit code 2 is
 the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import re
@@ -17,7 +18,9 @@ import sys
 
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from {{ cookiecutter.package }}.config import (
     ConfigError,
@@ -30,25 +33,22 @@ from {{ cookiecutter.package }}.config import (
 EXIT_CONFIG_ERROR = 2
 
 
-def schema_keys(full_key: str) -> list[str]:
-    """The keys allowed beside `full_key`, read from the schema."""
-    node: type = TrainConfig
-    for part in full_key.split(".")[:-1]:
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        if part not in fields or not dataclasses.is_dataclass(fields[part].default_factory):
-            return []
-        node = fields[part].default_factory
-    return [f.name for f in dataclasses.fields(node)]
+def schema_keys(err: Exception) -> list[str]:
+    """The keys allowed where an unknown one was given, from the schema the error names."""
+    schema = getattr(err, "object_type", None)
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
 
 
 def one_line(err: Exception) -> str:
     """Hydra's and OmegaConf's multi-line messages, as one line that names the key."""
-    cause = err.__cause__
+    cause = err if getattr(err, "full_key", None) else err.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key:
         reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
         if "not in" in reason:
-            return f"{full_key}: no such key; allowed: {', '.join(schema_keys(full_key))}"
+            return f"{full_key}: no such key; allowed: {', '.join(schema_keys(cause))}"
+        if isinstance(cause, MissingMandatoryValue):
+            return f"{full_key}: no value; set it in configs/ or as {full_key}=..."
         return f"{full_key}: {reason}"
     text = str(err)
     group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
@@ -88,6 +88,28 @@ def config_problem(overrides: list[str]) -> str | None:
     except CONFIG_ERRORS as err:
         return describe(err)
     return None
+
+
+def typed(cfg: DictConfig) -> TrainConfig:
+    """A config Hydra composed for a run (with its `hydra` node), checked."""
+    task = copy.deepcopy(cfg)
+    with open_dict(task):
+        task.pop("hydra", None)
+    return to_train_config(task)
+
+
+class ConfigCheck(Callback):
+    """Hydra calls this (configs/train.yaml, hydra.callbacks) after composing a run's config and
+    before it creates the run dir: a bad value stops every rank in one line, leaving nothing."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        try:
+            typed(config)
+        except CONFIG_ERRORS as err:
+            exit_with_error(f"config error: {describe(err)}")
+
+    on_multirun_start = on_run_start  # the sweep's base config
+    on_job_start = on_run_start  # each job of a sweep, with its own overrides
 
 
 def load_or_exit(overrides: list[str]) -> TrainConfig:

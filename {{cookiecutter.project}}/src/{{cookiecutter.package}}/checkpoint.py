@@ -1,43 +1,73 @@
-"""Lose at most the work since the last checkpoint.
+"""Lose at most the work since the last checkpoint, and never a good checkpoint.
 
-Rank 0 writes `<run dir>/checkpoints/step_<N>.pt` atomically (temp file in the same directory,
-fsync, rename) and keeps the newest `trainer.keep_checkpoints`. A relaunch with the same run dir
-resumes from the newest one that reads back, skipping truncated or corrupt files. On SIGTERM
-(what Kubernetes sends before SIGKILL) every rank agrees to stop at the same step boundary, and
-rank 0 writes a checkpoint there.
+The Checkpointer decides when to save (every trainer.checkpoint_every steps, at the last step, and
+at the step every rank agrees to stop at after SIGTERM, which Kubernetes sends before SIGKILL),
+what a checkpoint holds, how to load one, and which to keep. Rank 0 writes
+`<run dir>/checkpoints/step_<N>.pt` atomically (temp file in the same directory, fsync, rename).
+A relaunch with the same run dir resumes from the newest one that reads back.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
 import signal
 import tempfile
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from {{ cookiecutter.package }}.world import World
+
 log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.pt")
+PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
+REQUIRED = {"step", "model", "optimizer", "data"}
 EXIT_PREEMPTED = 143  # 128 + SIGTERM, the code a process stopped by SIGTERM conventionally reports
 
 
-@dataclass(frozen=True)
-class Position:
-    """Where training stands: optimiser steps done, and batches of the current epoch consumed."""
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Progress:
+    """Where training stands: optimizer steps done, and batches of the current epoch consumed."""
 
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
 
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.step, self.epoch, self.batch_in_epoch = (
+            state["step"], state["epoch"], state["batch_in_epoch"]
+        )  # fmt: skip
+
+
+class Diverged(RuntimeError):
+    """A loss, gradient norm or weights that are inf or nan. The run stops, and nothing is saved
+    from that state: the checkpoints on disk are the good ones."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"step {step}: {what} is not finite")
+        self.step, self.what = step, what
+
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """Checkpoints in the run dir, oldest first."""
+    """Files named as checkpoints in the run dir, oldest step first; readable or not."""
     directory = run_dir / "checkpoints"
     found = (
         [p for p in directory.glob("step_*.pt") if NAME.fullmatch(p.name)]
@@ -47,8 +77,12 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
     return sorted(found)
 
 
+def step_of(path: Path) -> int:
+    return int(NAME.fullmatch(path.name).group(1))
+
+
 def write_atomically(state: dict[str, Any], path: Path) -> None:
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=PARTIAL, suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as out:
             torch.save(state, out)
@@ -65,29 +99,23 @@ def write_atomically(state: dict[str, Any], path: Path) -> None:
         os.close(directory)
 
 
-def save(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write the checkpoint of state["step"] and drop all but the newest `keep`."""
-    path = run_dir / "checkpoints" / f"step_{state['step']:09d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(state, path)
-    for old in checkpoint_paths(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-    return path
+def read(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint's state; raises if the file is not one. mmap=True reads only the structure
+    (the tensors stay on disk until touched): a cheap check that a file reads back."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    if not (isinstance(state, dict) and state.keys() >= REQUIRED):
+        raise ValueError("not a training checkpoint")
+    return state
 
 
 def newest_readable(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads, with a warning for each one skipped."""
     for path in reversed(checkpoint_paths(run_dir)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            return path, read(path)
         except Exception as err:  # truncated, corrupt, or not a checkpoint at all
-            log.warning(
-                "skipping unreadable checkpoint %s: %s", path.name, " ".join(str(err).split())[:200]
-            )
-            continue
-        if isinstance(state, dict) and {"step", "model", "optimizer", "data"} <= state.keys():
-            return path, state
-        log.warning("skipping %s: not a training checkpoint", path.name)
+            reason = " ".join(str(err).split())[:200]
+            log.warning("skipping unreadable checkpoint %s: %s", path.name, reason)
     return None
 
 
@@ -106,58 +134,221 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def gather_rng_states(group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (a collective: all ranks call it)."""
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state(), group=group)
-    return states
+def all_finite(module: torch.nn.Module) -> bool:
+    """One GPU sync: for the rare moments a checkpoint is written."""
+    flags = [torch.isfinite(p).all() for p in module.parameters()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
-def choose_and_load(run_dir: Path, group: dist.ProcessGroup | None) -> dict[str, Any] | None:
-    """Rank 0 picks the newest readable checkpoint; every rank then loads that same file."""
-    choice: list[Any] = [None]
-    if dist.get_rank() == 0:
-        found = newest_readable(run_dir)
-        choice[0] = str(found[0]) if found else None
-    dist.broadcast_object_list(choice, src=0, group=group)
-    if choice[0] is None:
-        return None
-    return torch.load(choice[0], map_location="cpu", weights_only=True)
+class Checkpointer:
+    """Owns the checkpoints of one run dir. The loop calls save() once per step; it decides.
+
+    `states` are the objects a checkpoint holds, by key (model, optimizer, scheduler, scaler,
+    data position), each with state_dict() and load_state_dict(); each rank's RNG state and
+    the config are added. Every rank calls every method: saving and loading are collectives.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        every: int,
+        keep: int,
+        world: World,
+        group: dist.ProcessGroup | None,
+        states: dict[str, Stateful],
+        config: dict[str, Any],
+        heartbeat: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.directory = run_dir / "checkpoints"
+        self.run_dir, self.every, self.keep = run_dir, every, keep
+        self.world, self.group, self.states, self.config = world, group, states, config
+        self.heartbeat = heartbeat  # checkpoint I/O is not a stalled collective
+        self.preemption = Preemption(group, world)
+        self.preempted = False
+        self.readable: dict[tuple[str, int, int], bool] = {}  # (name, size, mtime) -> reads back
+        self.warned: set[str] = set()
+        self.newest: Path | None = None  # the newest checkpoint loaded or written
+        if world.main:
+            self.remove_partials()
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    def remove_partials(self) -> None:
+        """Writes that a kill interrupted: never a checkpoint, only disk used."""
+        if not self.directory.is_dir():
+            return
+        for partial in sorted(self.directory.glob(f"{PARTIAL}*")):
+            partial.unlink(missing_ok=True)
+            log.info("removed %s, left by a write that was killed", partial.name)
+
+    # --- loading --------------------------------------------------------------------------
+
+    def load(self) -> dict[str, Any] | None:
+        """Rank 0 picks the newest checkpoint that reads back; every rank loads that one into
+        the states, and its own RNG state when the world size is unchanged. Returns the
+        checkpoint (None when there is none) for what the caller makes of the rest."""
+        choice: list[Any] = [None]
+        if self.world.main:
+            found = newest_readable(self.run_dir)
+            choice[0] = str(found[0]) if found else None
+        if self.world.size > 1:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        if choice[0] is None:
+            return None
+        self.newest = Path(choice[0])
+        state = read(self.newest)
+        for key, stateful in self.states.items():
+            if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
+                stateful.load_state_dict(state[key])
+        if state["world_size"] == self.world.size:
+            set_rng_state(state["rng"][self.world.rank])
+        self.heartbeat()
+        return state
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        """Call once per step, after it. Saves every `every` steps, at the last step, and when
+        the ranks agree to stop after SIGTERM (then `preempted` is set)."""
+        self.preempted = self.preemption.agreed(step)
+        if self.enabled and (self.preempted or last_step or step % self.every == 0):
+            self.write(step)
+
+    def write(self, step: int) -> None:
+        model = self.states["model"]
+        if not all_finite(model):  # identical on every rank under DDP: all stop together
+            raise Diverged(step, "a weight")
+        rng = self.gather_rng_states()
+        if self.world.main:
+            state = {key: stateful.state_dict() for key, stateful in self.states.items()}
+            state |= {
+                "step": step,
+                "rng": rng,
+                "config": self.config,
+                "world_size": self.world.size,
+            }
+            path = self.directory / f"step_{step:09d}.pt"
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.heartbeat()
+            write_atomically(state, path)
+            self.readable[self.identity(path)] = True
+            self.newest = path
+            log.info("checkpoint %s", path.relative_to(self.run_dir))
+            self.purge(written=path)
+        self.heartbeat()
+
+    def gather_rng_states(self) -> list[dict[str, Any]]:
+        """Every rank's RNG state, in rank order."""
+        if self.world.size == 1:
+            return [rng_state()]
+        states: list[Any] = [None] * self.world.size
+        dist.all_gather_object(states, rng_state(), group=self.group)
+        return states
+
+    # --- the keep policy ------------------------------------------------------------------
+
+    @staticmethod
+    def identity(path: Path) -> tuple[str, int, int]:
+        stat = path.stat()
+        return path.name, stat.st_size, stat.st_mtime_ns
+
+    def reads_back(self, path: Path) -> bool:
+        """Whether a file holds a checkpoint, checked once per version of the file."""
+        try:
+            identity = self.identity(path)
+        except FileNotFoundError:
+            return False
+        if identity not in self.readable:
+            try:
+                read(path, mmap=True)
+                self.readable[identity] = True
+            except Exception:
+                self.readable[identity] = False
+        return self.readable[identity]
+
+    def purge(self, written: Path) -> None:
+        """Keep the newest `keep` checkpoints that read back, always including the one just
+        written. Files that do not read back are not ranked and not deleted: a warning names
+        them once, for a person to look at."""
+        readable, unreadable = [], []
+        for path in checkpoint_paths(self.run_dir):
+            (readable if self.reads_back(path) else unreadable).append(path)
+        new = [path.name for path in unreadable if path.name not in self.warned]
+        if new:
+            log.warning(
+                "%s in %s do not read back as checkpoints; left alone (not counted, not deleted)",
+                ", ".join(new), self.directory,
+            )  # fmt: skip
+            self.warned.update(new)
+        kept = set(sorted(readable, key=step_of)[-self.keep :]) | {written}
+        for path in readable:
+            if path not in kept:
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.preemption.close()
+
+
+EXCHANGE_EVERY_S = 0.25  # how often the ranks compare notes on SIGTERM
 
 
 class Preemption:
-    """SIGTERM asks to stop; agreed() makes every rank stop at the same step boundary."""
+    """SIGTERM asks to stop; agreed() makes every rank stop at the same step.
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group  # a CPU (gloo) group: the check costs no GPU synchronisation
+    The ranks exchange the flag on a CPU group: an all-reduce started at one exchange is read at
+    the next, so it runs in the background of the steps in between. Exchanges are `interval`
+    steps apart, an interval agreed in the exchange itself, so that they come about
+    EXCHANGE_EVERY_S apart whatever the step time: a stop follows the signal within about two
+    intervals, and a short step carries no per-step exchange.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, world: World) -> None:
+        self.group = group  # a CPU (gloo) group: the exchange costs no GPU synchronisation
+        self.world = world
         self.requested = False
-        self.flag = torch.zeros(1, dtype=torch.int32)
         self.pending: dist.Work | None = None
-        signal.signal(signal.SIGTERM, self.request)
+        self.flag = torch.zeros(2, dtype=torch.int64)
+        self.next_exchange: int | None = None  # the step of the next exchange
+        self.last = (0, time.monotonic())  # step and time of the last exchange
+        self.previous_handler = signal.signal(signal.SIGTERM, self.request)
 
     def request(self, signum: int, frame: Any) -> None:
         self.requested = True
 
-    def agreed(self) -> bool:
-        """Reads the all-reduce of the flag started one step earlier and starts the next, so the
-        exchange runs during a step instead of inside it. Every rank calls this once per step and
-        so gets the same answer at the same step, one step after the signal."""
-        if dist.get_world_size(self.group) == 1:
+    def agreed(self, step: int) -> bool:
+        """Every rank calls this after every step; all get True at the same step."""
+        if self.world.size == 1:
             return self.requested
-        stop = False
+        if self.next_exchange is not None and step < self.next_exchange:
+            return False
+        interval = 1
         if self.pending is not None:
             self.pending.wait()
-            stop = bool(self.flag.item())
-        self.pending = None
-        if not stop:
-            self.flag = torch.tensor([int(self.requested)], dtype=torch.int32)
-            self.pending = dist.all_reduce(
-                self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-            )
-        return stop
+            stop, negative_interval = self.flag.tolist()
+            if stop:
+                self.pending = None
+                return True
+            interval = -negative_interval
+        # Propose the next interval from this rank's pace; the all-reduce takes the smallest
+        # proposal (MAX of the negatives) and the stop flag of any rank, in one message.
+        last_step, last_time = self.last
+        pace = (step - last_step) / max(time.monotonic() - last_time, 1e-6)  # steps per second
+        proposal = max(1, min(10_000, math.floor(pace * EXCHANGE_EVERY_S)))
+        self.last = (step, time.monotonic())
+        self.flag = torch.tensor([int(self.requested), -proposal], dtype=torch.int64)
+        self.pending = dist.all_reduce(
+            self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        self.next_exchange = step + interval
+        return False
 
     def close(self) -> None:
-        """Finish the exchange in flight before the group is used for anything else."""
+        """Finish the exchange in flight before the group is used for anything else, and hand
+        SIGTERM back."""
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+        signal.signal(signal.SIGTERM, self.previous_handler)

@@ -2,11 +2,12 @@
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
 fails at compose time, naming the key. Checks that types cannot express live in __post_init__ and
-check_devices; check.py runs them all before Hydra creates the run dir.
+check_*; check.ConfigCheck runs them all before Hydra creates the run dir.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -18,9 +19,10 @@ from typing import Any, Dict, NoReturn, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.world import World
 
 
 class ConfigError(ValueError):
@@ -45,10 +47,16 @@ class NcclDebug(Enum):
     TRACE = "TRACE"
 
 
+# Values live in configs/ (one YAML file per option, each key commented); these classes give
+# their types and checks. MISSING: a value the YAML must give.
+
+
 @dataclass
-class ModelConfig:
-    hidden_dim: int = 128
-    depth: int = 2
+class MlpConfig:
+    """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
+
+    hidden_dim: int = MISSING
+    depth: int = MISSING
 
     def __post_init__(self) -> None:
         require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
@@ -56,21 +64,34 @@ class ModelConfig:
 
 
 @dataclass
+class GptConfig:
+    """configs/model/gpt.yaml: a decoder-only transformer over data=tokens."""
+
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    d_model: int = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be at least 1")
+        require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
+        require(
+            self.d_model >= 1 and self.d_model % self.n_head == 0,
+            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
+        )  # fmt: skip
+
+
+@dataclass
 class DataConfig:
-    num_samples: int = 16384
-    num_features: int = 32
-    num_classes: int = 8
-    batch_size: int = 128
-    num_workers: int = 0
-    pin_memory: bool = True
-    on_device: bool = False
+    """What every data option has: how many samples, and how they reach the GPU."""
+
+    num_samples: int = MISSING
+    batch_size: int = MISSING
+    num_workers: int = MISSING
+    pin_memory: bool = MISSING
+    on_device: bool = MISSING
 
     def __post_init__(self) -> None:
         require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
-        require(
-            self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1"
-        )
-        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
         require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
         require(
@@ -81,33 +102,82 @@ class DataConfig:
         )
 
 
+@dataclass
+class PointsConfig(DataConfig):
+    """configs/data/synthetic.yaml: labelled points from a fixed random teacher."""
+
+    num_features: int = MISSING
+    num_classes: int = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1"
+        )
+        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
+
+
+@dataclass
+class TokensConfig(DataConfig):
+    """configs/data/tokens.yaml: token sequences for next-token prediction."""
+
+    seq_len: int = MISSING
+    vocab_size: int = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
+        require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
+
+
 class Precision(Enum):
     bf16 = "bf16"  # bf16 autocast on GPU
     fp16 = "fp16"  # fp16 autocast with a grad scaler on GPU
     fp32 = "fp32"
 
 
+class OnNonFinite(Enum):
+    stop = "stop"  # end the run with a non-zero exit; the checkpoints stay as they were
+    skip = "skip"  # drop the optimizer step of such a step (checks every step: one GPU sync each)
+
+
+def finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    log_every: int = 25
-    seed: int = 0
-    precision: Precision = Precision.bf16
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    grad_accumulation: int = 1
-    fused_optimizer: bool = True
-    compile: bool = False
+    max_steps: int = MISSING
+    lr: float = MISSING
+    warmup_steps: int = MISSING
+    weight_decay: float = MISSING
+    max_grad_norm: Optional[float] = MISSING
+    on_nonfinite: OnNonFinite = MISSING
+    log_every: int = MISSING
+    seed: int = MISSING
+    precision: Precision = MISSING
+    checkpoint_every: int = MISSING
+    keep_checkpoints: int = MISSING
+    grad_accumulation: int = MISSING
+    fused_optimizer: bool = MISSING
+    compile: bool = MISSING
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
-        require(self.lr > 0, "trainer.lr", self.lr, "must be greater than 0")
         require(
-            self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be 0 or more"
+            finite(self.lr) and self.lr > 0,
+            "trainer.lr",
+            self.lr,
+            "must be a finite number above 0",
         )
+        require(
+            finite(self.weight_decay) and self.weight_decay >= 0,
+            "trainer.weight_decay", self.weight_decay, "must be a finite number, 0 or more",
+        )  # fmt: skip
+        require(
+            self.max_grad_norm is None or (finite(self.max_grad_norm) and self.max_grad_norm > 0),
+            "trainer.max_grad_norm", self.max_grad_norm, "must be null (no clipping) or a finite number above 0",
+        )  # fmt: skip
         require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
         require(
             self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "must be 0 or more"
@@ -136,20 +206,19 @@ class CommHook(Enum):
     default = "default"  # DDP's own: sum, then divide by the world size
     bf16 = "bf16"  # compress to bf16 for the all-reduce: half the bytes on the wire
     fp16 = "fp16"  # compress to fp16
-    noop = "noop"  # no gradient communication at all: the bench's compute-only run
 
 
 @dataclass
 class DistConfig:
-    backend: Backend = Backend.auto
-    timeout_s: int = 180
-    gate_timeout_s: int = 60
-    async_error_handling: Optional[int] = 2
-    bucket_cap_mb: int = 100
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    comm_hook: CommHook = CommHook.default
-    time_comm: bool = True
+    backend: Backend = MISSING
+    timeout_s: int = MISSING
+    gate_timeout_s: int = MISSING
+    async_error_handling: Optional[int] = MISSING
+    bucket_cap_mb: int = MISSING
+    gradient_as_bucket_view: bool = MISSING
+    static_graph: bool = MISSING
+    comm_hook: CommHook = MISSING
+    time_comm: bool = MISSING
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
@@ -172,7 +241,8 @@ class DistConfig:
 
 @dataclass
 class NcclConfig:
-    """One field per NCCL variable (see nccl.FIELD_VARS); None leaves the variable alone."""
+    """One field per NCCL variable (see nccl.FIELD_VARS); None leaves the variable alone, so a
+    profile in configs/nccl/ lists only what it sets."""
 
     auto: bool = False  # fill in transport variables from the node's facts
     p2p_disable: Optional[bool] = None
@@ -205,17 +275,17 @@ class Flavor(Enum):
 class DeployConfig:
     """What k8s.py renders into k8s/: the image, where it runs, and the shape of the job."""
 
-    name: str = "ddp-project"
-    image: str = "ddp-project:latest"
-    namespace: str = "default"
-    flavor: Flavor = Flavor.job
-    nodes: int = 1
-    gpus_per_node: int = 1
-    rdzv_port: int = 29500
-    shm_size: str = "16Gi"
-    runs_storage: str = "50Gi"
-    backoff_limit: int = 3
-    max_restarts: int = 3
+    name: str = MISSING
+    image: str = MISSING
+    namespace: str = MISSING
+    flavor: Flavor = MISSING
+    nodes: int = MISSING
+    gpus_per_node: int = MISSING
+    rdzv_port: int = MISSING
+    shm_size: str = MISSING
+    runs_storage: str = MISSING
+    backoff_limit: int = MISSING
+    max_restarts: int = MISSING
 
     def __post_init__(self) -> None:
         # The Job's pods are <name>-<index>-<suffix>; the claim is <name>-runs.
@@ -246,40 +316,40 @@ class DeployConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    nccl: NcclConfig = field(default_factory=NcclConfig)
-    deploy: DeployConfig = field(default_factory=DeployConfig)
+    model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
+    data: Any = MISSING  # PointsConfig or TokensConfig, likewise
+    trainer: TrainerConfig = MISSING
+    dist: DistConfig = MISSING
+    nccl: NcclConfig = MISSING
+    deploy: DeployConfig = MISSING
 
 
 def uses_cuda(backend: Backend) -> bool:
     return backend is Backend.nccl or (backend is Backend.auto and torch.cuda.is_available())
 
 
-def check_devices(config: TrainConfig, local_world_size: int) -> None:
+def check_devices(config: TrainConfig, world: World) -> None:
     """torchrun's --nproc-per-node must fit the GPUs this node can see."""
     if not uses_cuda(config.dist.backend):
         return
     visible = torch.cuda.device_count()
     require(visible > 0, "dist.backend", "nccl", "no CUDA device is visible; use auto or gloo")
     require(
-        local_world_size <= visible,
+        world.local_size <= visible,
         "--nproc-per-node",
-        local_world_size,
+        world.local_size,
         f"only {visible} GPU(s) visible on this node; use at most {visible} processes per node",
     )
 
 
-def check_data(config: TrainConfig, world_size: int) -> None:
+def check_data(config: TrainConfig, world: World) -> None:
     """Every process needs at least one full batch of its shard, or it never takes a step."""
-    per_process = config.data.num_samples // world_size
+    per_process = config.data.num_samples // world.size
     require(
         per_process >= config.data.batch_size,
         "data.batch_size",
         config.data.batch_size,
-        f"each of {world_size} process(es) gets {per_process} of data.num_samples={config.data.num_samples}; "
+        f"each of {world.size} process(es) gets {per_process} of data.num_samples={config.data.num_samples}; "
         f"use a batch size of at most {per_process}",
     )
 
@@ -293,13 +363,18 @@ def check_combinations(config: TrainConfig) -> None:
         f"DDP's static graph cannot skip the gradient sync that trainer.grad_accumulation="
         f"{config.trainer.grad_accumulation} needs; set dist.static_graph=false",
     )
+    if isinstance(config.model, GptConfig) and not isinstance(config.data, TokensConfig):
+        raise ConfigError("model: a GPT reads token sequences; use data=tokens")
+    if isinstance(config.model, MlpConfig) and not isinstance(config.data, PointsConfig):
+        raise ConfigError("model: an MLP reads labelled points; use data=synthetic")
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
+def to_train_config(cfg: DictConfig, world: World | None = None) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key."""
+    world = world or World.from_env()
     config: TrainConfig = OmegaConf.to_object(cfg)
-    check_devices(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    check_data(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_devices(config, world)
+    check_data(config, world)
     check_combinations(config)
     return config
 
@@ -307,7 +382,7 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
     """Every local rank finds the same error. Local rank 0 prints it, once per node; the others
     wait for that, because torchrun stops all workers as soon as the first one exits."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    if World.from_env().local_rank == 0:
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(grace_s)
@@ -321,7 +396,7 @@ def run_id() -> str:
     given = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if given != "none":
         return given
-    if "RANK" not in os.environ:
+    if not World.from_env().launched:
         return time.strftime("%Y-%m-%d_%H-%M-%S")
     launcher = os.getppid()
     try:
@@ -333,11 +408,17 @@ def run_id() -> str:
 
 def rank_zero_only(value: Any) -> Any:
     """Resolver: the value on global rank 0, None on the others (set by torchrun)."""
-    return value if os.environ.get("RANK", "0") == "0" else None
+    return value if World.from_env().main else None
 
 
 def register_configs() -> None:
-    """Make the schema and resolvers known to Hydra; call before Hydra composes."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    """Make the schemas and resolvers known to Hydra; call before Hydra composes."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    # Groups whose options differ in shape: each option's YAML names its schema in `defaults`.
+    store.store(group="model", name="mlp_schema", node=MlpConfig)
+    store.store(group="model", name="gpt_schema", node=GptConfig)
+    store.store(group="data", name="points_schema", node=PointsConfig)
+    store.store(group="data", name="tokens_schema", node=TokensConfig)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_id", run_id, replace=True)

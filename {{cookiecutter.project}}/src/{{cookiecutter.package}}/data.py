@@ -1,4 +1,9 @@
-"""A synthetic classification set: no download, and a model visibly learns it in a few hundred steps."""
+"""Synthetic data sets, made from the seed (no download), and the batches of each rank's shard.
+
+data=synthetic: points labelled by a fixed random teacher, for model=mlp; data=tokens: token
+sequences for next-token prediction, for model=gpt. A model visibly learns either in a few
+hundred steps.
+"""
 
 import itertools
 import signal
@@ -8,20 +13,41 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from {{ cookiecutter.package }}.config import DataConfig
+from {{ cookiecutter.package }}.config import DataConfig, PointsConfig, TokensConfig
+from {{ cookiecutter.package }}.world import World
+
+NOISE = 4  # data=tokens: the values each next token can take given the one before
 
 
-def synthetic_dataset(cfg: DataConfig, seed: int) -> TensorDataset:
-    """Gaussian inputs labelled by a fixed random two-layer teacher: learnable, not trivial.
-
-    Every rank builds the identical set from the seed; DistributedSampler splits it.
-    """
+def points_dataset(cfg: PointsConfig, seed: int) -> TensorDataset:
+    """Gaussian inputs labelled by a fixed random two-layer teacher: learnable, not trivial."""
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(cfg.num_samples, cfg.num_features, generator=gen)
     hidden = torch.randn(cfg.num_features, 4 * cfg.num_classes, generator=gen)
     readout = torch.randn(4 * cfg.num_classes, cfg.num_classes, generator=gen)
     labels = (torch.tanh(inputs @ hidden) @ readout).argmax(dim=1)
     return TensorDataset(inputs, labels)
+
+
+def tokens_dataset(cfg: TokensConfig, seed: int) -> TensorDataset:
+    """Sequences where each token is a fixed affine function of the one before, plus noise of
+    NOISE values: a model that learns the rule reaches a loss of log(NOISE). Inputs are the
+    tokens, labels the same tokens one position on."""
+    gen = torch.Generator().manual_seed(seed)
+    scale, shift = (int(v) for v in torch.randint(1, cfg.vocab_size, (2,), generator=gen))
+    sequences = torch.empty(cfg.num_samples, cfg.seq_len + 1, dtype=torch.long)
+    sequences[:, 0] = torch.randint(cfg.vocab_size, (cfg.num_samples,), generator=gen)
+    noise = torch.randint(NOISE, (cfg.num_samples, cfg.seq_len), generator=gen)
+    for position in range(cfg.seq_len):
+        sequences[:, position + 1] = (
+            sequences[:, position] * scale + shift + noise[:, position]
+        ) % cfg.vocab_size
+    return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
+
+
+def build_dataset(cfg: DataConfig, seed: int) -> TensorDataset:
+    """Every rank builds the identical set from the seed; the sampler splits it."""
+    return tokens_dataset(cfg, seed) if isinstance(cfg, TokensConfig) else points_dataset(cfg, seed)
 
 
 class ResumableSampler(DistributedSampler):
@@ -70,15 +96,16 @@ class DeviceBatches:
 
 
 def build_loader(
-    dataset: TensorDataset, cfg: DataConfig, seed: int, device: torch.device
+    dataset: TensorDataset, cfg: DataConfig, seed: int, device: torch.device, world: World
 ) -> tuple[Iterable[tuple[torch.Tensor, ...]], ResumableSampler]:
     """Batches of this rank's shard. A TensorDataset takes a whole batch of indices at once, so
     each batch is one gather, not batch_size lookups and a stack (the main process keeps up with
     a GPU step of a few ms). A dataset of single samples: pass batch_size instead of a
     BatchSampler, and raise data.num_workers."""
     sampler = ResumableSampler(
-        dataset, batch_size=cfg.batch_size, shuffle=True, seed=seed, drop_last=True
-    )
+        dataset, num_replicas=world.size, rank=world.rank, batch_size=cfg.batch_size,
+        shuffle=True, seed=seed, drop_last=True,
+    )  # fmt: skip
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
     if cfg.on_device:
         on_device = TensorDataset(*(tensor.to(device) for tensor in dataset.tensors))

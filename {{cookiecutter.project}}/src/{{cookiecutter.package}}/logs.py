@@ -1,7 +1,8 @@
 """Logging that keeps rank 0 in charge: used by configs/hydra/job_logging/rank_zero.yaml."""
 
 import logging
-import os
+
+from {{ cookiecutter.package }}.world import World
 
 
 class RankFilter(logging.Filter):
@@ -12,7 +13,7 @@ class RankFilter(logging.Filter):
 
     def __init__(self, others_min_level: str | None = "WARNING") -> None:
         super().__init__()
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = World.from_env().rank
         # getLevelName maps a level name to its number (getLevelNamesMapping needs 3.11).
         self.others_min_level = logging.getLevelName(others_min_level) if others_min_level else None
 

@@ -10,83 +10,26 @@ import csv
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
 COLUMNS = [
-    "step", "max_steps", "epoch", "loss", "accuracy", "lr", "samples_per_s", "step_time_ms",
-    "comm_share", "world_size",
+    "step", "max_steps", "epoch", "loss", "accuracy", "grad_norm", "lr", "samples_per_s",
+    "step_time_ms", "comm_share", "world_size",
 ]  # fmt: skip
 TENSORBOARD_TAGS = {
     "loss": "train/loss",
-    "accuracy": "train/accuracy",
+    "accuracy": "train/accuracy",  # of the window's last step
+    "grad_norm": "train/grad_norm",  # of the window's last step, with trainer.max_grad_norm set
     "lr": "train/lr",
     "samples_per_s": "perf/samples_per_s",
     "step_time_ms": "perf/step_time_ms",
     "comm_share": "perf/comm_share",
 }
-
-
-class CommTimer:
-    """A DDP comm hook around the chosen one that, on an armed step, notes when each gradient
-    bucket's all-reduce starts and ends. comm_share is the part of that step with an all-reduce
-    in flight, first start to last end: overlapped with the backward pass or not."""
-
-    def __init__(self, hook: Any | None, device: torch.device) -> None:
-        self.inner = hook or default_hooks.allreduce_hook
-        self.cuda = device.type == "cuda"
-        self.armed = False
-        self.marks: list[Any] = []  # step start, bucket starts and ends, step end
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream: for a callback, one that waits for the work
-        return event
-
-    def hook(
-        self, state: Any, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:  # DDP checks these annotations
-        """For DDP.register_comm_hook."""
-        if not self.armed:
-            return self.inner(state, bucket)
-        start = self.mark()
-        future = self.inner(state, bucket)
-
-        def finished(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            self.marks.append((start, self.mark()))
-            return done.value()
-
-        return future.then(finished)
-
-    def arm(self) -> None:
-        self.armed, self.marks = True, [self.mark()]
-
-    def share(self) -> float | None:
-        """After the armed step: the fraction of it with an all-reduce in flight (None if the
-        step was not armed)."""
-        if not self.armed:
-            return None
-        self.armed, marks = False, self.marks
-        self.marks = []
-        step_start, buckets, step_end = marks[0], marks[1:], self.mark()
-        if not buckets:
-            return 0.0
-        if self.cuda:
-            step_end.synchronize()
-            elapsed = step_start.elapsed_time
-            first, last = min(elapsed(s) for s, _ in buckets), max(elapsed(e) for _, e in buckets)
-            return (last - first) / max(elapsed(step_end), 1e-9)
-        first, last = min(s for s, _ in buckets), max(e for _, e in buckets)
-        return (last - first) / max(step_end - step_start, 1e-9)
 
 
 class RunRecord:
@@ -128,18 +71,22 @@ class RunRecord:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        comm = "n/a" if row["comm_share"] is None else f"{100 * row['comm_share']:.0f}%"
-        log.info(
-            "step %d/%d  loss %.4f  acc %.3f  %.0f samples/s  %.1f ms/step  comm %s",
-            row["step"], row["max_steps"], row["loss"], row["accuracy"], row["samples_per_s"],
-            row["step_time_ms"], comm,
-        )  # fmt: skip
+        line = (
+            f"step {row['step']}/{row['max_steps']}  loss {row['loss']:.4f}  "
+            f"acc {row['accuracy']:.3f}  {row['samples_per_s']:.0f} samples/s  "
+            f"{row['step_time_ms']:.1f} ms/step"
+        )
+        if row["grad_norm"] is not None:
+            line += f"  grad norm {row['grad_norm']:.3g}"
+        if row["comm_share"] is not None:
+            line += f"  comm {100 * row['comm_share']:.0f}%"
+        log.info(line)
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")
         self.csv.writerow(row)
         self.csv_file.flush()
         for key, tag in TENSORBOARD_TAGS.items():
-            if row[key] is not None:  # comm_share with dist.time_comm=false
+            if row[key] is not None:  # comm_share and grad_norm when not measured
                 self.writer.add_scalar(tag, row[key], global_step=row["step"])
         self.writer.flush()  # a run that dies keeps its events
         if self.progress:
@@ -193,6 +140,13 @@ class ProgressBar:
         self.bar.stop()
         for handler, stream in self.streams.items():
             handler.setStream(stream)
+
+
+def save_config(config: Any, run_dir: Path) -> None:
+    """The config this run uses, every value resolved, as <run dir>/config.yaml; printed too."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(config))
+    (run_dir / "config.yaml").write_text(text)
+    log.info("config (also in %s):\n%s", run_dir / "config.yaml", text.rstrip())
 
 
 def plot_and_log(run_dir: Path) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from {{ cookiecutter.package }}.nccl import NodeFacts
+from {{ cookiecutter.package }}.world import World
 
 NVLINK_CELL = re.compile(r"NV\d+")
 NVML_P2P_CAPS_INDEX_READ = 0  # literal ints: one nvidia-ml-py release mislabels these constants
@@ -194,8 +195,8 @@ def basic_facts(count: Callable[[], int] = gpu_count) -> NodeFacts:
         gpu_count=count(),
         nvlink_pairs=frozenset(),
         ib_active_ports=active_ib_ports(),
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        world_size=World.from_env().size,
+        local_world_size=World.from_env().local_size,
         shm_bytes=shm_bytes(),
     )
 

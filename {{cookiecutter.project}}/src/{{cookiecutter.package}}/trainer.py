@@ -1,0 +1,285 @@
+"""The training loop: build, resume, step, log, stop. train.py runs it in every process.
+
+An optimizer step runs trainer.grad_accumulation micro-batches (the nested loop in step()): DDP
+all-reduces the gradients during the last one's backward, the others run under no_sync. Nothing
+in a step waits for the GPU; the loss stays on the device until a log window ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from {{ cookiecutter.package }} import ddp, metrics
+from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
+from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
+from {{ cookiecutter.package }}.data import build_dataset, build_loader
+from {{ cookiecutter.package }}.model import build_model
+from {{ cookiecutter.package }}.world import World
+
+log = logging.getLogger(__name__)
+AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Window:
+    """Sums over one log window's steps, kept on the device until it ends: one GPU sync and one
+    all-reduce per window, none per step."""
+
+    def __init__(self, device: torch.device, step: int) -> None:
+        self.sums = torch.zeros(3, device=device)  # one tensor: one all-reduce
+        self.loss_sum, self.correct, self.nonfinite_norms = self.sums.unbind()  # views into it
+        self.samples = self.predictions = 0  # per rank; every rank sees as many
+        self.grad_norm: torch.Tensor | None = None  # the last step's
+        self.lr = math.nan  # the last step's
+        self.start_step, self.started = step, time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor, samples: int, grad_norm: torch.Tensor | None) -> None:
+        """A step's mean loss over its samples, and its gradient norm if one was computed."""
+        self.loss_sum.add_(step_loss, alpha=samples)
+        self.samples += samples
+        if grad_norm is not None:
+            self.nonfinite_norms.add_((~torch.isfinite(grad_norm)).float())
+            self.grad_norm = grad_norm
+
+    def add_accuracy(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """For the last step of the window only: an argmax over a large vocabulary is not free."""
+        self.correct.add_((logits.argmax(dim=-1) == labels).sum())
+        self.predictions += labels.numel()
+
+    def close(self, step: int, world: World) -> dict[str, Any]:
+        """The window's figures over every rank, Diverged if one is not finite; starts the next
+        window."""
+        if world.size > 1:
+            dist.all_reduce(self.sums)
+        loss_sum, correct, nonfinite = self.sums.tolist()  # the window's one sync
+        elapsed = time.perf_counter() - self.started
+        if self.samples == 0:
+            raise Diverged(step, "the gradient norm of every step since the last log line")
+        if nonfinite:
+            raise Diverged(step, "the gradient norm")
+        if not math.isfinite(loss_sum):
+            raise Diverged(step, "the loss")
+        totals = {
+            "loss": loss_sum / (self.samples * world.size),
+            "accuracy": correct / max(1, self.predictions * world.size),
+            "grad_norm": None if self.grad_norm is None else self.grad_norm.item(),
+            "lr": self.lr,
+            "samples_per_s": self.samples * world.size / elapsed,
+            "step_time_ms": elapsed / (step - self.start_step) * 1e3,
+        }
+        self.sums.zero_()
+        self.samples = self.predictions = 0
+        self.grad_norm = None
+        self.start_step, self.started = step, time.perf_counter()
+        return totals
+
+
+class Trainer:
+    """One process's share of a run: its model replica, optimizer, data shard and checkpoints."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        world: World,
+        device: torch.device,
+        run_dir: Path,
+        control: dist.ProcessGroup | None = None,
+        heartbeat: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.cfg, self.world, self.device, self.run_dir = cfg, world, device, run_dir
+        self.heartbeat = heartbeat  # tells the stall watchdog that steps go on
+        seed = cfg.trainer.seed
+        torch.manual_seed(seed)
+        dataset = build_dataset(cfg.data, seed)
+        self.loader, self.sampler = build_loader(dataset, cfg.data, seed, device, world)
+        with device:  # initialised where it trains: no host copy of the weights
+            self.module = build_model(cfg.model, cfg.data)
+        self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
+        self.forward = torch.compile(self.model) if cfg.trainer.compile else self.model
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(),
+            lr=cfg.trainer.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            fused=(cfg.trainer.fused_optimizer and device.type == "cuda") or None,  # one kernel
+        )
+        dtype = AUTOCAST.get(cfg.trainer.precision) if device.type == "cuda" else None
+        self.autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+        self.progress = Progress()
+        self.checkpointer = Checkpointer(
+            run_dir,
+            every=cfg.trainer.checkpoint_every,
+            keep=cfg.trainer.keep_checkpoints,
+            world=world,
+            group=control,
+            states={
+                "model": self.module,
+                "optimizer": self.optimizer,
+                "scaler": self.scaler,
+                "data": self.progress,
+            },
+            config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
+            heartbeat=heartbeat,
+        )
+        self.window = Window(device, step=0)
+
+    def train(self) -> bool:
+        """Train to trainer.max_steps from the newest checkpoint. True if SIGTERM stopped it
+        (after a checkpoint at that step)."""
+        self.resume()
+        max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
+        batches = self.batches()
+        record = metrics.RunRecord(self.run_dir, max_steps, self.progress.step, self.world.main)
+        self.window = Window(self.device, self.progress.step)
+        try:
+            with record:  # on an error or SIGTERM too: the bar stops and the files close
+                while self.progress.step < max_steps:
+                    step = self.progress.step + 1
+                    log_now = self.ends_window(step)
+                    self.step([next(batches) for _ in range(accumulation)], log_now)
+                    self.progress.step = step
+                    self.heartbeat()
+                    record.step(step)
+                    if log_now:
+                        record.write(self.log_row(step))
+                    self.checkpointer.save(step, last_step=step == max_steps)
+                    if self.checkpointer.preempted:
+                        self.stop_for_sigterm(step)
+                        break
+        except Diverged:
+            self.checkpointer.close()  # every rank stops at the same step: the exchange ends
+            raise
+        self.checkpointer.close()
+        return self.checkpointer.preempted
+
+    def resume(self) -> None:
+        state = self.checkpointer.load()
+        if state is None:
+            return
+        for group in self.optimizer.param_groups:  # the config's, not the checkpoint's
+            group["weight_decay"] = self.cfg.trainer.weight_decay
+        if state["world_size"] != self.world.size:
+            # Other shards: this epoch's batches cannot be matched, so it starts again.
+            self.progress.batch_in_epoch = 0
+            if self.world.main:
+                log.warning(
+                    "the checkpoint was written by %d processes, this run has %d: "
+                    "epoch %d starts again from its first batch",
+                    state["world_size"], self.world.size, self.progress.epoch,
+                )  # fmt: skip
+        if self.world.main:
+            log.info(
+                "resumed from the checkpoint of step %d (epoch %d, batch %d)",
+                self.progress.step, self.progress.epoch, self.progress.batch_in_epoch,
+            )  # fmt: skip
+
+    def batches(self) -> Iterator[Batch]:
+        """This rank's batches from where progress stands, epoch after epoch."""
+        while True:
+            self.sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch)
+            for inputs, labels in self.loader:
+                self.progress.batch_in_epoch += 1
+                yield (
+                    inputs.to(self.device, non_blocking=True),
+                    labels.to(self.device, non_blocking=True),
+                )
+            self.progress.epoch, self.progress.batch_in_epoch = self.progress.epoch + 1, 0
+
+    def step(self, micro_batches: list[Batch], ends_window: bool) -> None:
+        """One optimizer step over the micro-batches."""
+        if self.comm_timer and ends_window:
+            self.comm_timer.arm()
+        lr = self.learning_rate(self.progress.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        count, losses = len(micro_batches), []
+        for i, (inputs, labels) in enumerate(micro_batches, start=1):
+            # DDP all-reduces during the last micro-batch's backward; the others add up locally.
+            with nullcontext() if i == count else self.no_sync():
+                with self.autocast():
+                    logits = self.forward(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+                self.scaler.scale(loss / count if count > 1 else loss).backward()
+            losses.append(loss.detach())
+        step_loss = losses[0] if count == 1 else torch.stack(losses).mean()
+        grad_norm = self.gradient_norm()
+        if self.skips(grad_norm):
+            log.warning("step %d: non-finite gradient norm, step skipped", self.progress.step + 1)
+        else:
+            self.scaler.step(self.optimizer)
+            # Under fp16 an inf norm is routine: the grad scaler skips that update itself.
+            norm = None if self.scaler.is_enabled() else grad_norm
+            self.window.add(step_loss, count * len(labels), norm)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if ends_window:
+            self.window.add_accuracy(logits.detach(), labels)
+            self.window.lr = lr
+
+    def learning_rate(self, steps_done: int) -> float:
+        """Linear warm-up to trainer.lr. A function of the step alone, so a resumed run follows
+        the config it is launched with."""
+        return self.cfg.trainer.lr * min(
+            1.0, (steps_done + 1) / max(1, self.cfg.trainer.warmup_steps)
+        )
+
+    def no_sync(self) -> Any:
+        return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()
+
+    def gradient_norm(self) -> torch.Tensor | None:
+        """The gradients' global norm, clipped to trainer.max_grad_norm. None when neither
+        clipping nor skipping needs it: it costs a pass over every gradient."""
+        max_norm = self.cfg.trainer.max_grad_norm
+        if max_norm is None and self.cfg.trainer.on_nonfinite is not OnNonFinite.skip:
+            return None
+        self.scaler.unscale_(self.optimizer)
+        if max_norm is None:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def skips(self, grad_norm: torch.Tensor | None) -> bool:
+        """on_nonfinite=skip: whether to drop this step's update (one GPU sync per step). The
+        norm is of the all-reduced gradients, so every rank decides the same."""
+        if self.cfg.trainer.on_nonfinite is not OnNonFinite.skip or self.scaler.is_enabled():
+            return False  # fp16's grad scaler skips such steps itself
+        return not bool(torch.isfinite(grad_norm))
+
+    def ends_window(self, step: int) -> bool:
+        return step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.max_steps
+
+    def log_row(self, step: int) -> dict[str, Any]:
+        """Close the log window: one row of metrics.csv."""
+        comm_share = (
+            self.comm_timer.share() if self.comm_timer else None if self.world.size > 1 else 0.0
+        )
+        return {
+            "step": step,
+            "max_steps": self.cfg.trainer.max_steps,
+            "epoch": self.progress.epoch,
+            **self.window.close(step, self.world),
+            "comm_share": comm_share,  # rank 0's last step of the window
+            "world_size": self.world.size,
+        }
+
+    def stop_for_sigterm(self, step: int) -> None:
+        if self.world.main:
+            log.warning(
+                "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
+                step,
+                " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)",
+                self.run_dir,
+            )

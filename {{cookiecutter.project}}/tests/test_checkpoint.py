@@ -1,0 +1,154 @@
+"""The Checkpointer and the loop's guards, in-process with one CPU process (no process group):
+what is kept, what is never deleted, and that non-finite numbers stop a run or skip a step
+without touching a good checkpoint."""
+
+import logging
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import checkpoint
+from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
+from {{ cookiecutter.package }}.trainer import Trainer
+from {{ cookiecutter.package }}.world import World
+
+ONE = World()
+
+
+def checkpointer(run_dir, model, keep=2, every=10) -> Checkpointer:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = {"model": model, "optimizer": optimizer, "data": Progress()}
+    return Checkpointer(
+        run_dir, every=every, keep=keep, world=ONE, group=None, states=states, config={}
+    )
+
+
+def names(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_files_that_do_not_read_back_are_never_ranked_nor_deleted(tmp_path, caplog):
+    """Zero-byte files with higher steps, as a crashed filesystem leaves them: the old policy
+    counted them as the newest and deleted every checkpoint the run wrote."""
+    (tmp_path / "checkpoints").mkdir()
+    strays = [f"step_{step:09d}.pt" for step in (999_999_997, 999_999_998, 999_999_999)]
+    for name in strays:
+        (tmp_path / "checkpoints" / name).touch()
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2))
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 51):
+            saver.save(step)
+    assert names(tmp_path) == ["step_000000040.pt", "step_000000050.pt", *strays]
+    warnings = [r.getMessage() for r in caplog.records if "do not read back" in r.getMessage()]
+    assert len(warnings) == 1 and all(name in warnings[0] for name in strays)
+
+
+def test_the_checkpoint_just_written_is_kept_even_below_newer_readable_ones(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    ahead = checkpointer(tmp_path, model, keep=2)
+    for step in (80, 90):
+        ahead.write(step)  # a later run of this dir got further
+    checkpointer(tmp_path, model, keep=2).write(10)
+    assert names(tmp_path) == ["step_000000010.pt", "step_000000080.pt", "step_000000090.pt"]
+
+
+def test_a_corrupt_file_is_left_alone_and_the_newest_readable_is_loaded(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    saver = checkpointer(tmp_path, model)
+    saver.write(10)
+    saver.write(20)
+    newest = tmp_path / "checkpoints" / "step_000000020.pt"
+    newest.write_bytes(newest.read_bytes()[:500])  # a node died mid-copy
+    resumed = checkpointer(tmp_path, torch.nn.Linear(4, 2))
+    assert resumed.load()["step"] == 10
+    resumed.write(30)
+    assert names(tmp_path) == ["step_000000010.pt", "step_000000020.pt", "step_000000030.pt"]
+
+
+def test_left_over_partial_writes_are_removed_at_the_next_start(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    partial = tmp_path / "checkpoints" / ".partial-abc123.pt"
+    partial.write_bytes(b"half a checkpoint")
+    checkpointer(tmp_path, torch.nn.Linear(4, 2))
+    assert not partial.exists()
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    saver = checkpointer(tmp_path, model)
+    saver.write(10)
+    good = (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(Diverged, match="step 20: a weight is not finite"):
+        saver.save(20)
+    assert names(tmp_path) == ["step_000000010.pt"]
+    assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
+
+
+@pytest.fixture
+def trainer_for(compose_train, tmp_path):
+    def make(*overrides: str) -> Trainer:
+        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
+        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / "run")
+
+    return make
+
+
+def batch(value: float = 0.0):
+    inputs = torch.randn(128, 32)
+    inputs[0, 0] += value
+    return inputs, torch.randint(8, (128,))
+
+
+def test_a_non_finite_loss_stops_at_the_end_of_its_log_window(trainer_for):
+    trainer = trainer_for("trainer.log_every=5")
+    trainer.step([batch()], ends_window=False)
+    trainer.step([batch(float("inf"))], ends_window=False)
+    trainer.step([batch()], ends_window=True)
+    with pytest.raises(Diverged, match="step 3: the loss is not finite"):
+        trainer.log_row(3)
+
+
+def test_skip_drops_the_update_of_a_non_finite_step_and_trains_on(trainer_for):
+    trainer = trainer_for("trainer.on_nonfinite=skip")
+    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.step([batch(float("nan"))], ends_window=False)
+    assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
+    trainer.step([batch()], ends_window=True)
+    after = trainer.module.state_dict()
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+    row = trainer.log_row(2)
+    assert math.isfinite(row["loss"]) and row["grad_norm"] > 0  # the good step's
+
+
+def test_skip_still_stops_when_every_step_of_a_window_is_non_finite(trainer_for):
+    trainer = trainer_for("trainer.on_nonfinite=skip")
+    for _ in range(2):
+        trainer.step([batch(float("nan"))], ends_window=False)
+    with pytest.raises(Diverged, match="every step since the last log line"):
+        trainer.log_row(2)
+
+
+def test_clipping_bounds_the_gradients_the_optimizer_sees_and_logs_the_norm(trainer_for):
+    trainer = trainer_for("trainer.max_grad_norm=0.5")
+    seen, step = [], trainer.optimizer.step
+
+    def step_and_note(*args, **kwargs):
+        grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
+        seen.append(torch.nn.utils.get_total_norm(grads).item())
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_note
+    trainer.step([batch(1e4)], ends_window=True)  # a large gradient
+    assert seen == [pytest.approx(0.5, rel=1e-4)]
+    assert trainer.log_row(1)["grad_norm"] > 10  # the norm before clipping is what is logged
+
+
+def test_progress_round_trips_through_its_state():
+    progress = Progress(7, 2, 5)
+    restored = Progress()
+    restored.load_state_dict(progress.state_dict())
+    assert restored == progress and checkpoint.step_of(checkpoint.Path("step_000000042.pt")) == 42
