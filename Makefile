@@ -16,7 +16,7 @@ $(BIN)/.installed: requirements-test.txt
 
 demo: $(BIN)/.installed
 	rm -rf $(DEMO)
-	$(BIN)/cookiecutter . --no-input --output-dir $(DEMO)
+	$(BIN)/python new-project --no-input --output-dir $(DEMO)
 	$(BIN)/python -m pip install --quiet --no-build-isolation $(DEMO)/ddp-project
 	cd $(DEMO) && ../../$(BIN)/torchrun --standalone --nproc-per-node 2 -m ddp_project.train
 

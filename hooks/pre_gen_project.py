@@ -1,18 +1,17 @@
 """Refuse any answer that would render a broken or unsafe project.
 
 Runs under cookiecutter's own Python (standard library only). One line for the first problem,
-then a non-zero exit, so cookiecutter deletes the directory it was about to fill.
+then a non-zero exit, so cookiecutter deletes the directory it was about to fill. The checks are
+plain functions: ./new-project imports this file unrendered and runs them before cookiecutter.
 """
 
 import json
 import keyword
 import re
 import sys
+import unicodedata
 
 import cookiecutter
-
-# Raw string, and tojson escapes every quote: no answer can end this literal early.
-ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 PACKAGE = re.compile(r"[a-z_][a-z0-9_]*")
@@ -25,51 +24,82 @@ IMAGE = re.compile(
 )
 # Jinja delimiters, spelled as character classes so that this file itself renders.
 JINJA = re.compile(r"[{][#%{]|[#%}][}]")
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# Our own dependencies and the standard library: a package of that name would shadow them.
-SHADOWED = {"torch", "hydra", "omegaconf", "tests", "test", "src"} | set(sys.stdlib_module_names)
+# Characters whose meaning changes between YAML, TOML and Python, or that start a new line: control
+# characters, surrogates, Unicode line and paragraph separators, a byte-order mark.
+UNPRINTABLE_CATEGORIES = {"Cc", "Cs", "Zl", "Zp"}
+# Top-level modules that the generated project imports, directly or through its dependencies
+# (tests/test_hooks.py checks this list against the installed dependencies), the project's own
+# top-level names, and the standard library: a package of such a name would shadow them.
+THIRD_PARTY = {
+    "torch", "torchgen", "functorch", "triton", "numpy", "sympy", "mpmath", "networkx", "jinja2",
+    "markupsafe", "fsspec", "filelock", "typing_extensions", "setuptools", "pkg_resources",
+    "_distutils_hack", "hydra", "omegaconf", "antlr4", "yaml", "_yaml", "packaging", "pynvml",
+    "nvidia", "tensorboard", "tensorboard_data_server", "google", "grpc", "absl", "markdown",
+    "werkzeug", "PIL", "six", "rich", "pygments", "markdown_it", "mdurl", "matplotlib",
+    "mpl_toolkits", "pylab", "contourpy", "cycler", "fontTools", "kiwisolver", "pyparsing",
+    "dateutil", "pytest", "_pytest", "py", "pluggy", "iniconfig", "pytest_timeout", "ruff",
+    "pydevd_plugins", "importlib_resources", "isympy", "pillow", "tzdata", "example",
+}  # fmt: skip
+OWN = {"tests", "test", "src", "configs", "conftest", "outputs", "k8s"}
+SHADOWED = THIRD_PARTY | OWN | set(sys.stdlib_module_names)
 FREE_TEXT_MAX = 200
+# The Job's pods are named <project>-<index>-<5 characters>; the generated config's
+# deploy.name allows the same 47 (tests/test_hooks.py renders one at the limit and checks it).
+PROJECT_MAX = 47
 # 2.6 and older read booleans given on the command line as strings, which render as true.
 MIN_COOKIECUTTER = (2, 7)
 
 
-def check_dns_label(key: str, value: str) -> str | None:
-    if len(value) > 63 or not DNS_LABEL.fullmatch(value):
+def dns_label_problem(key: str, value: str, limit: int) -> str | None:
+    if len(value) > limit or not DNS_LABEL.fullmatch(value):
         return (
-            f"{key} {value!r} is not a Kubernetes DNS-1123 label: use 1 to 63 lowercase letters, "
-            "digits and '-', starting and ending with a letter or digit (e.g. ddp-project)"
+            f"{key} {value!r} is not a Kubernetes DNS-1123 label of at most {limit} characters: use "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit "
+            "(e.g. ddp-project)"
         )
     return None
 
 
-def check_package(key: str, value: str) -> str | None:
+def check_project(key: str, value: str) -> str | None:
+    return dns_label_problem(key, value, PROJECT_MAX)
+
+
+def check_namespace(key: str, value: str) -> str | None:
+    return dns_label_problem(key, value, 63)
+
+
+def check_package(key: str, value: str, derived: bool = False) -> str | None:
+    derived = " (made from project; pass package=... to choose it)" if derived else ""
     if not PACKAGE.fullmatch(value) or not value.isidentifier():
         return (
-            f"{key} {value!r} is not a Python package name: use lowercase ASCII letters, digits and "
-            "'_', not starting with a digit (e.g. ddp_project)"
+            f"{key} {value!r}{derived} is not a Python package name: use lowercase ASCII letters, "
+            "digits and '_', not starting with a digit (e.g. ddp_project)"
         )
     if keyword.iskeyword(value) or keyword.issoftkeyword(value):
-        return f"{key} {value!r} is a Python keyword: choose another name (e.g. {value}_ddp)"
+        return f"{key} {value!r}{derived} is a Python keyword: choose another name (e.g. {value}_ddp)"
     if value in SHADOWED:
         return (
-            f"{key} {value!r} would shadow the module of the same name from the standard library "
-            f"or a dependency: choose another name (e.g. {value}_ddp)"
+            f"{key} {value!r}{derived} would shadow the module of that name, which the project or "
+            f"its dependencies import: choose another name (e.g. {value}_ddp)"
         )
+    return None
+
+
+def whole_number_problem(key: str, value: object, what: str, top: int) -> str | None:
+    """Digits as typed, no sign, no leading zero: the spelling that YAML, TOML, Python and
+    JSON all read as the same integer."""
+    text = str(value)
+    if not re.fullmatch(r"[1-9][0-9]*", text) or int(text) > top:
+        return f"{key} {text!r} is not a number of {what}: use a whole number from 1 to {top}, digits only"
     return None
 
 
 def check_num_gpus(key: str, value: object) -> str | None:
-    text = str(value)
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 16:
-        return f"{key} {text!r} is not a whole number of GPUs per node: use an integer from 1 to 16"
-    return None
+    return whole_number_problem(key, value, "GPUs per node", 16)
 
 
 def check_num_nodes(key: str, value: object) -> str | None:
-    text = str(value)
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 256:
-        return f"{key} {text!r} is not a whole number of nodes: use an integer from 1 to 256"
-    return None
+    return whole_number_problem(key, value, "nodes", 256)
 
 
 def check_python_version(key: str, value: str) -> str | None:
@@ -88,10 +118,14 @@ def check_image(key: str, value: str) -> str | None:
 
 
 def check_free_text(key: str, value: str) -> str | None:
-    """Quotes, '$' and ';' are fine here: every file that uses these values escapes them."""
-    if CONTROL.search(value):
-        return f"{key} {value!r} contains a newline or control character: use a single line of text"
+    """Quotes, '#', ': ', backslashes and any printable Unicode are fine: every file quotes these
+    values for its own syntax (local_extensions.py)."""
+    bad = [c for c in value if unicodedata.category(c) in UNPRINTABLE_CATEGORIES or c == "\ufeff"]
+    if bad:
+        name = unicodedata.name(bad[0], "a control character")
+        return f"{key} contains U+{ord(bad[0]):04X} ({name}): use a single line of printable text"
     if JINJA.search(value):
+        # cookiecutter renders every answer as a template before the hook sees it
         return f"{key} {value!r} contains template delimiters: use plain text without braces"
     if len(value) > FREE_TEXT_MAX:
         return f"{key} is {len(value)} characters long: use at most {FREE_TEXT_MAX}"
@@ -99,7 +133,7 @@ def check_free_text(key: str, value: str) -> str | None:
 
 
 CHECKS = {  # in prompt order
-    "project": check_dns_label,
+    "project": check_project,
     "package": check_package,
     "description": check_free_text,
     "author": check_free_text,
@@ -108,15 +142,22 @@ CHECKS = {  # in prompt order
     "num_nodes": check_num_nodes,
     "base_image": check_image,
     "image": check_image,
-    "namespace": check_dns_label,
+    "namespace": check_namespace,
 }
 
 
 def first_problem(answers: dict) -> str | None:
     """The first bad answer, in prompt order: later ones often derive from it (package, image)."""
+    derived = answers["package"] == str(answers["project"]).replace("-", "_")
     for key, check in CHECKS.items():
         value = answers[key]
-        message = check(key, value) if isinstance(value, str | int) else f"{key} must be text"
+        is_text = isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+        if not is_text:
+            message = f"{key} must be text"
+        elif key == "package":
+            message = check_package(key, value, derived)
+        else:
+            message = check(key, value)
         if message:
             return message
     return None
@@ -130,7 +171,9 @@ def version_problem(version: str) -> str | None:
 
 
 def main() -> int:
-    message = version_problem(cookiecutter.__version__) or first_problem(ANSWERS)
+    # Raw string, and tojson escapes every quote: no answer can end this literal early.
+    answers = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
+    message = version_problem(cookiecutter.__version__) or first_problem(answers)
     if message:
         print(f"error: {message}", file=sys.stderr, flush=True)
         return 1

@@ -10,7 +10,7 @@ import pytest
 from conftest import BIN, TEMPLATE
 
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "init.defaultBranch=main"]
-TEMPLATE_FILES = ["cookiecutter.json", "hooks", "{{cookiecutter.project}}"]
+TEMPLATE_FILES = ["cookiecutter.json", "local_extensions.py", "hooks", "{{cookiecutter.project}}"]
 
 
 def run(*command, cwd: Path) -> subprocess.CompletedProcess:

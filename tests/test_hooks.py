@@ -1,102 +1,266 @@
-"""Hostile or invalid answers: refused in one clear line with nothing left behind, or rendered
-into files that stay valid and carry the text exactly."""
+"""Hostile or odd answers: each renders exactly as typed in every file it lands in (read back by
+the parsers that read those files), or is refused in one line naming the variable, with nothing
+left behind."""
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import tomllib
 
 import pytest
 import yaml
-from conftest import DEFAULTS, TEMPLATE, cookiecutter_cli, render
+from conftest import DEFAULTS, TEMPLATE, cookiecutter_cli, env_with_path, install, render
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(TEMPLATE / "hooks"))
+import pre_gen_project  # noqa: E402  (plain functions: the hook file imports unrendered)
+
+NEW_PROJECT = TEMPLATE / "new-project"
 
 REFUSED = [
     ("project", "My Project", "project 'My Project' is not a Kubernetes DNS-1123 label"),
-    ("project", "a" * 64, "is not a Kubernetes DNS-1123 label: use 1 to 63 lowercase"),
+    ("project", "a" * 48, "is not a Kubernetes DNS-1123 label of at most 47 characters"),
     ("project", "-leading-dash", "is not a Kubernetes DNS-1123 label"),
+    ("project", "trailing-", "is not a Kubernetes DNS-1123 label"),
     ("project", "../escape", "project '../escape' is not a Kubernetes DNS-1123 label"),
     ("project", 'x"; rm -rf ~; "', "is not a Kubernetes DNS-1123 label"),
     ("project", "$(touch pwned)", "is not a Kubernetes DNS-1123 label"),
     ("project", "a`id`b", "is not a Kubernetes DNS-1123 label"),
+    ("project", "dots.not.allowed", "is not a Kubernetes DNS-1123 label"),
+    ("project", "ünïcode", "is not a Kubernetes DNS-1123 label"),
+    ("project", "1000", "package '1000' (made from project; pass package=... to choose it) is not"),
     ("package", "class", "package 'class' is a Python keyword"),
+    ("package", "match", "package 'match' is a Python keyword"),
     ("package", "1st_model", "package '1st_model' is not a Python package name"),
     ("package", "my-package", "is not a Python package name"),
-    ("package", "torch", "package 'torch' would shadow the module of the same name"),
-    ("package", "os", "package 'os' would shadow the module of the same name"),
+    ("package", "torch", "package 'torch' would shadow the module of that name"),
+    ("package", "os", "package 'os' would shadow the module of that name"),
+    ("package", "yaml", "package 'yaml' would shadow the module of that name"),
+    ("package", "numpy", "package 'numpy' would shadow the module of that name"),
+    ("package", "conftest", "package 'conftest' would shadow the module of that name"),
     ("package", "café", "is not a Python package name: use lowercase ASCII letters"),
-    ("num_gpus", "0", "num_gpus '0' is not a whole number of GPUs per node: use an integer from 1 to 16"),
-    ("num_gpus", "17", "use an integer from 1 to 16"),
-    ("num_gpus", "two", "use an integer from 1 to 16"),
-    ("num_gpus", "2; reboot", "use an integer from 1 to 16"),
-    ("num_nodes", "0", "num_nodes '0' is not a whole number of nodes: use an integer from 1 to 256"),
-    ("num_nodes", "many", "use an integer from 1 to 256"),
+    ("num_gpus", "0", "num_gpus '0' is not a number of GPUs per node: use a whole number from 1 to 16"),
+    ("num_gpus", "17", "use a whole number from 1 to 16"),
+    ("num_gpus", "08", "num_gpus '08' is not a number of GPUs per node"),
+    ("num_gpus", "2.0", "num_gpus '2.0' is not a number of GPUs per node"),
+    ("num_gpus", "+2", "num_gpus '+2' is not a number of GPUs per node"),
+    ("num_gpus", "0x2", "num_gpus '0x2' is not a number of GPUs per node"),
+    ("num_gpus", "1e1", "num_gpus '1e1' is not a number of GPUs per node"),
+    ("num_gpus", "２", "num_gpus '２' is not a number of GPUs per node"),
+    ("num_gpus", "two", "use a whole number from 1 to 16"),
+    ("num_gpus", "2; reboot", "use a whole number from 1 to 16"),
+    ("num_nodes", "0", "num_nodes '0' is not a number of nodes: use a whole number from 1 to 256"),
+    ("num_nodes", "010", "num_nodes '010' is not a number of nodes"),
+    ("num_nodes", "many", "use a whole number from 1 to 256"),
     ("python_version", "2.7", "python_version '2.7' is not supported: use one of 3.11, 3.12, 3.13"),
+    ("python_version", "3.11.0", "python_version '3.11.0' is not supported"),
     ("image", 'evil" && curl x', "is not an image reference"),
     ("image", "ghcr.io/acme/x:$(id)", "is not an image reference"),
+    ("image", "ghcr.io/acme/x:tag # comment", "is not an image reference"),
     ("base_image", "pytorch/pytorch:latest\nRUN curl x", "is not an image reference"),
     ("namespace", "Kube-System", "namespace 'Kube-System' is not a Kubernetes DNS-1123 label"),
-    ("description", "line one\nRUN rm -rf /", "contains a newline or control character"),
+    ("namespace", "a" * 64, "is not a Kubernetes DNS-1123 label of at most 63 characters"),
+    ("description", "line one\nRUN rm -rf /", "description contains U+000A (a control character)"),
+    ("description", "tab\there", "description contains U+0009 (a control character)"),
+    ("description", "split\u2028line", "description contains U+2028 (LINE SEPARATOR)"),
+    ("description", "\ufeffbom", "description contains U+FEFF (ZERO WIDTH NO-BREAK SPACE)"),
     ("author", "{% raw %}{{ cookiecutter.__class__ }}{% endraw %}", "contains template delimiters"),
     ("description", "x" * 201, "description is 201 characters long: use at most 200"),
 ]
+REFUSED_IDS = [f"{k}:{v[:16]!r}" for k, v, _ in REFUSED]
 
 
-@pytest.mark.parametrize(("key", "value", "message"), REFUSED, ids=[f"{k}:{v[:20]!r}" for k, v, _ in REFUSED])
-def test_bad_answer_is_refused_in_one_line_and_leaves_nothing(tmp_path, key, value, message):
+def no_traceback_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """./new-project, as the README's quick start runs it."""
+    return subprocess.run(
+        [sys.executable, str(NEW_PROJECT), "--no-input", "-o", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value", "message"), REFUSED, ids=REFUSED_IDS)
+def test_new_project_refuses_a_bad_answer_in_exactly_one_line(tmp_path, key, value, message):
+    done = no_traceback_run(tmp_path, f"{key}={value}")
+    assert done.returncode == 1
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("key", "value", "message"), REFUSED[::4], ids=REFUSED_IDS[::4])
+def test_cookiecutter_itself_refuses_the_same_answers_with_our_line_first(tmp_path, key, value, message):
+    """`cookiecutter <template>` runs the same hook: our line, then cookiecutter's own report (its
+    traceback and "Hook script failed"), as the README says; nothing is left behind."""
     done = cookiecutter_cli(tmp_path, f"{key}={value}")
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1, done.stderr
-    assert message in ours[0]
+    assert len(ours) == 1 and message in ours[0], done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nccl_profile=fastest"], "error: nccl_profile 'fastest' is not an option: use one of auto, "
+                                   "nccl_default, pcie_safe, socket, infiniband"),
+        (["k8s_flavor=mpijob"], "error: k8s_flavor 'mpijob' is not an option: use one of job,"),
+        (["projct=my-run"], "error: no variable 'projct': answer one of project, package,"),
+        (["my-run"], "error: 'my-run' is not an answer: use key=value, e.g. project=my-run"),
+        (["description={{ 7 * 7 }}"], "error: description '{{ 7 * 7 }}' contains template delimiters"),
+    ],
+)  # fmt: skip
+def test_new_project_refuses_what_cookiecutter_would_crash_on_or_ignore(tmp_path, args, message):
+    done = no_traceback_run(tmp_path, *args)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_derived_answers_do_not_repeat_the_first_problem(tmp_path):
     """A bad project name also spoils the derived package and image: report only the cause."""
-    done = cookiecutter_cli(tmp_path, "project=Bad Name")
-    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == [
-        "error: project 'Bad Name' is not a Kubernetes DNS-1123 label: use 1 to 63 lowercase "
-        "letters, digits and '-', starting and ending with a letter or digit (e.g. ddp-project)"
-    ]
+    done = no_traceback_run(tmp_path, "project=Bad Name")
+    assert done.stderr == (
+        "error: project 'Bad Name' is not a Kubernetes DNS-1123 label of at most 47 characters: use "
+        "lowercase letters, digits and '-', starting and ending with a letter or digit (e.g. "
+        "ddp-project)\n"
+    )
 
 
-SHELL_AND_QUOTES = """O'Brien "the \\"DDP\\" one" $(id) `uname` ${HOME}; rm -rf ~ & <b> ''' \"\"\" \\"""
+# Free text as typed: YAML and TOML syntax, quotes, backslashes, Markdown, and Unicode beyond
+# Latin-1: astral characters, combining marks, joiners, right-to-left text.
+FREE_TEXT = [
+    "yes", "no", "on", "off", "null", "~", "true", "1e3", "0x1F", "0o17", ".inf", "-.nan", "012",
+    "1_000", "2001-12-14", "<<", "&anchor *alias", "!tag", "%directive", "@at", "`tick`",
+    "{flow: map}", "[a, list]", "# not a comment", "key: value", "- a dash", "* a star", "> quote",
+    "'single'", '"double"', "back\\slash \\n \\u0041", "O'Brien \"the DDP\" $(id) ${HOME}; rm -rf ~",
+    "😀 emoji", "𝔘nicode 𝔐ath", "Zoë Ångström", "深度学习", "שלום עולם", "e\u0301 combining",
+    "👨\u200d👩\u200d👧 family", "<b>html</b> &amp; **bold** _it_ [link](x) | pipe",
+    "ends with backslash \\", "x" * 200,
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("key", ["description", "author"])
-def test_quotes_and_shell_text_render_into_valid_files_verbatim(tmp_path, key):
-    project = render(tmp_path, **{key: SHELL_AND_QUOTES})
+def read_back(project):
+    """What each file's own reader gets: pyproject with tomllib, the deploy config with OmegaConf
+    (as the project reads it) and PyYAML (as kubectl's tools do), the Job, and the README."""
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
-    rendered = meta["description"] if key == "description" else meta["authors"][0]["name"]
-    assert rendered == SHELL_AND_QUOTES
-    for path in project.rglob("*.yaml"):
-        yaml.safe_load(path.read_text())
-    for name in ("Dockerfile", "k8s/job.yaml") + tuple(str(p.relative_to(project)) for p in project.rglob("*.py")):
-        assert "$(id)" not in (project / name).read_text(), name  # free text stays out of code and shell
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    job = yaml.safe_load((project / "k8s" / "job.yaml").read_text())
+    readme_line = (project / "README.md").read_text().splitlines()[2]
+    return {
+        "name": meta["name"],
+        "description": meta["description"],
+        "author": meta["authors"][0]["name"],
+        "omegaconf": dict(OmegaConf.load(deploy_file)),
+        "pyyaml": yaml.safe_load(deploy_file.read_text()),
+        "job": job["metadata"],
+        "job_image": job["spec"]["template"]["spec"]["containers"][0]["image"],
+        "readme": re.sub(r"\\(.)", r"\1", readme_line),  # Markdown's escapes, as a reader sees them
+    }
 
 
-def test_invalid_profile_choice_leaves_nothing(tmp_path):
-    done = cookiecutter_cli(tmp_path, "nccl_profile=fastest")
-    assert done.returncode != 0
-    assert "fastest provided for choice variable nccl_profile" in done.stderr
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize("text", FREE_TEXT, ids=[repr(t[:14]) for t in FREE_TEXT])
+def test_free_text_reads_back_exactly_as_typed(tmp_path, text):
+    back = read_back(render(tmp_path, description=text, author=text))
+    assert back["description"] == back["author"] == back["readme"] == text
+
+
+NAMES = [  # DNS labels that YAML 1.1 or 1.2 would read as a bool, a number, null or a date
+    "yes", "no", "on", "off", "null", "true", "1e3", "0x1f", "012", "inf", "nan", "2001-12-14",
+    "a" * 47,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES, ids=[n[:12] for n in NAMES])
+def test_names_that_look_like_yaml_values_stay_text(tmp_path, name):
+    project = render(tmp_path, project=name, package=f"p_{name}".replace("-", "_"), namespace=name[:63])
+    back = read_back(project)
+    assert back["name"] == name
+    for deploy in (back["omegaconf"], back["pyyaml"]):
+        assert (deploy["name"], deploy["namespace"]) == (name, name)
+        assert deploy["image"] == f"ghcr.io/your-org/{name}:latest"
+    assert (back["job"]["name"], back["job"]["namespace"], back["job_image"]) == (
+        name, name, f"ghcr.io/your-org/{name}:latest",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
+    ("key", "value", "expected"),
     [
-        ("num_gpus", "16"),
-        ("num_gpus", "1"),
-        ("num_nodes", "256"),
-        ("python_version", "3.13"),
-        ("image", "registry.local:5000/team/ddp@sha256:" + "a" * 64),
+        ("num_gpus", "16", 16),
+        ("num_gpus", "1", 1),
+        ("num_nodes", "256", 256),
+        ("num_nodes", "1", 1),
     ],
 )
-def test_boundary_values_are_accepted(tmp_path, key, value):
-    done = cookiecutter_cli(tmp_path, f"{key}={value}")
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "ddp-project" / "k8s" / "job.yaml").exists()
+def test_numbers_render_as_the_same_integer_everywhere(tmp_path, key, value, expected):
+    project = render(tmp_path, **{key: value})
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    field = "gpus_per_node" if key == "num_gpus" else "nodes"
+    assert OmegaConf.load(deploy_file)[field] == yaml.safe_load(deploy_file.read_text())[field] == expected
+    job = yaml.safe_load((project / "k8s" / "job.yaml").read_text())
+    limits = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    if key == "num_gpus":
+        assert limits["nvidia.com/gpu"] == expected
+    else:
+        assert job["spec"].get("completions", 1) == expected
+
+
+def test_image_and_python_version_at_their_limits_render_as_typed(tmp_path):
+    image = "registry.local:5000/team/ddp@sha256:" + "a" * 64
+    project = render(tmp_path, image=image, base_image=image, python_version="3.13")
+    assert read_back(project)["job_image"] == image
+    assert (project / "Dockerfile").read_text().count(f"FROM {image}") == 1
+    meta = tomllib.loads((project / "pyproject.toml").read_text())
+    assert meta["project"]["requires-python"] == ">=3.13" and meta["tool"]["ruff"]["target-version"] == "py313"
+
+
+@pytest.mark.timeout(600)
+def test_a_name_the_hook_accepts_gives_a_project_whose_check_passes(tmp_path):
+    """At the length limit, and names YAML would misread: the project's own config check, with
+    its defaults, as the Job's first step runs it."""
+    for name in ("a" * 47, "yes", "null"):
+        project = render(tmp_path / name[:8], project=name, package=f"p_{name}", namespace=name)
+        site = install(project, tmp_path / f"site-{name[:8]}")
+        done = subprocess.run([sys.executable, "-m", f"p_{name}.check"], cwd=tmp_path,
+                              env=env_with_path(site), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "config ok\n"), done.stderr
+
+
+def dependency_closure(names: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = re.split(r"[\s\[<>=!~;]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a platform-only dependency (e.g. CUDA wheels) not installed here
+        seen.add(name)
+        todo += [r for r in distribution.requires or [] if "extra ==" not in r]
+    return seen
+
+
+def test_every_module_the_project_imports_is_a_name_the_hook_refuses():
+    """The generated project's dependencies, and theirs, installed here: each top-level module
+    they provide must be refused as a package name, or the project would shadow it."""
+    pyproject = (TEMPLATE / "{{cookiecutter.project}}" / "pyproject.toml").read_text()
+    declared = re.findall(r'^\s+"([A-Za-z0-9_.-]+)[^"]*",', pyproject, re.MULTILINE)
+    provided = set()
+    for name in dependency_closure(declared):
+        files = importlib.metadata.distribution(name).files or []
+        for file in files:
+            top = file.parts[0]
+            if top.endswith((".dist-info", ".data", ".pth")) or top in ("..", "bin"):
+                continue
+            module = top.removesuffix(".py").split(".")[0]
+            if module.isidentifier():
+                provided.add(module)
+    missing = sorted(m for m in provided if m not in pre_gen_project.SHADOWED and not m.startswith("__"))
+    assert missing == [], missing
 
 
 def test_old_cookiecutter_is_refused_with_the_upgrade_command(tmp_path):
@@ -116,3 +280,13 @@ def test_old_cookiecutter_is_refused_with_the_upgrade_command(tmp_path):
     assert done.stderr.strip() == (
         "error: cookiecutter 2.6.0 is too old: this template needs 2.7 or newer (pip install 'cookiecutter>=2.7')"
     )
+
+
+def test_new_project_renders_what_cookiecutter_renders(tmp_path):
+    done = no_traceback_run(tmp_path / "ours", "project=same-name", "num_gpus=4")
+    assert done.returncode == 0, done.stderr
+    theirs = render(tmp_path / "theirs", project="same-name", num_gpus="4")
+    ours = tmp_path / "ours" / "same-name"
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+    assert all((ours / f).read_bytes() == (theirs / f).read_bytes() for f in files)

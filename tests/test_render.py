@@ -74,11 +74,13 @@ EXPECTED_FILES = {
     "src/{package}/doctor.py",
     "src/{package}/failfast.py",
     "src/{package}/k8s.py",
+    "src/{package}/launch.py",
     "src/{package}/logs.py",
     "src/{package}/metrics.py",
     "src/{package}/model.py",
     "src/{package}/nccl.py",
     "src/{package}/probe.py",
+    "src/{package}/rundir.py",
     "src/{package}/train.py",
     "src/{package}/trainer.py",
     "src/{package}/world.py",
@@ -89,12 +91,14 @@ EXPECTED_FILES = {
     "tests/test_config.py",
     "tests/test_doctor.py",
     "tests/test_failfast.py",
+    "tests/test_launch.py",
     "tests/test_multinode.py",
     "tests/test_gpu.py",
     "tests/test_metrics.py",
     "tests/test_nccl.py",
     "tests/test_probe.py",
     "tests/test_resume.py",
+    "tests/test_rundir.py",
     "tests/test_project_files.py",
     "tests/test_train.py",
 }
@@ -183,7 +187,7 @@ def test_yaml_and_toml_parse(rendered):
         assert yaml.safe_load(path.read_text()) is not None, path
     project = tomllib.loads((rendered.path / "pyproject.toml").read_text())["project"]
     assert project["name"] == rendered.path.name
-    assert "torch>=2.4" in project["dependencies"]
+    assert "torch>=2.6" in project["dependencies"]
 
 
 def test_manifests_pass_strict_kubernetes_validation(rendered):
@@ -436,8 +440,8 @@ def test_cli_renders_and_prints_next_steps(tmp_path):
 MAKE_TARGETS = {
     "install": "python -m pip install -e '.[dev]'",
     "test": "python -m pytest",
-    "train": "torchrun --standalone --nproc-per-node {gpus} -m {package}.train",
-    "train-cpu": "torchrun --standalone --nproc-per-node 2 -m {package}.train dist.backend=gloo",
+    "train": "{project} train --standalone --nproc-per-node {gpus}",
+    "train-cpu": "{project} train --standalone --nproc-per-node 2 dist.backend=gloo",
     "doctor": "python -m {package}.doctor",
     "bench": "python -m {package}.bench",
     "tensorboard": "tensorboard --logdir outputs",

@@ -34,6 +34,17 @@ def train_command(*overrides: str, nproc: int = 2) -> list[str]:
             "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
 
 
+def launch_command(*args: str) -> list[str]:
+    """`<project> train <args>`: the launcher that make train and the Job use."""
+    return [sys.executable, "-m", f"{PACKAGE}.launch", "train", *args]
+
+
+def launch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launch_command(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def torchrun(
     cwd: Path, *overrides: str, nproc: int = 2, env: dict | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess:

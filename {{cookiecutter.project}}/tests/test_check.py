@@ -68,7 +68,7 @@ BAD = [
         "data.num_workers=2: must be 0 with data.on_device=true",
     ),
     ("experiment=huge", "experiment=huge: no such option; allowed: gpt2_small, mlp_134m, smoke"),
-    ("dist.timeout_s=0", "dist.timeout_s=0: must be at least 1 second"),
+    ("dist.timeout_s=0", "dist.timeout_s=0: must be 1 to 604800 seconds (a week)"),
     ("dist.backend=mpi", "dist.backend: Invalid value 'mpi', expected one of [auto, nccl, gloo]"),
     ("dist.async_error_handling=5", "dist.async_error_handling=5: must be null, 0, 1, 2 or 3"),
     ("data.batch_size=0", "data.batch_size=0: must be at least 1"),
@@ -78,7 +78,29 @@ BAD = [
     ),
     ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* variable names"),
     ("nccl.env.NCCL_P2P_DISABLE=1", "nccl.env.NCCL_P2P_DISABLE: no such key"),
-    ("trainer.max_steps", "Error parsing override 'trainer.max_steps'"),
+    (
+        "trainer.max_steps",
+        "trainer.max_steps: not an override Hydra can read (missing EQUAL at '<EOF>'); write key=value",
+    ),
+    ("+trainer.foo=1", "trainer.foo: no such key; allowed: max_steps, lr,"),
+    ("+foo=1", "foo: no such key; allowed: model, data, trainer, dist, nccl, deploy"),
+    ("+model.width=3", "model.width: no such key; allowed: hidden_dim, depth"),
+    ("+deploy.extra.key=1", "deploy.extra: no such key; allowed: name, image,"),
+    (
+        "trainer.accept_changes=[trainer.lr",
+        "trainer.accept_changes=[trainer.lr: not an override Hydra can read (no viable alternative at input '[trainer.lr')",
+    ),
+    ("dist.timeout_s=99999999999999", "dist.timeout_s=99999999999999: must be 1 to 604800 seconds"),
+    ("dist.checkpoint_timeout_s=-1", "dist.checkpoint_timeout_s=-1: must be 1 to 604800 seconds"),
+    ("trainer.seed=-5", "trainer.seed=-5: must be 0 to 2**63-1"),
+    ("trainer.seed=9223372036854775808", "trainer.seed=9223372036854775808: must be 0 to 2**63-1"),
+    ("data.num_workers=100000", "data.num_workers=100000: must be 0 to 64"),
+    (
+        "trainer.max_steps=1.5",
+        "trainer.max_steps: Value '1.5' of type 'float' could not be converted to Integer",
+    ),
+    ("trainer.lr=-inf", "trainer.lr=-inf: must be a finite number above 0"),
+    ("trainer.lr=null", "trainer.lr: field 'trainer.lr' is not Optional"),
     ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 or more"),
     (
         "deploy.flavor=mpijob",
@@ -116,7 +138,7 @@ def test_check_command_exits_2_with_one_line():
         text=True,
     )
     assert done.returncode == 2
-    assert done.stderr == "config error: dist.timeout_s=0: must be at least 1 second\n"
+    assert done.stderr == "config error: dist.timeout_s=0: must be 1 to 604800 seconds (a week)\n"
     ok = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout == "config ok\n"
 
@@ -127,3 +149,12 @@ def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
     assert problem == (
         "data.batch_size=128: each of 2 process(es) gets 100 of data.num_samples=200; use a batch size of at most 100"
     )
+
+
+@pytest.mark.parametrize("command", ["check", "bench", "k8s"])
+def test_every_command_refuses_a_key_added_with_plus_like_a_typo(tmp_path, command):
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.{command}", "+trainer.foo=1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("config error: trainer.foo: no such key; allowed: max_steps,")
+    assert len(done.stderr.splitlines()) == 1 and list(tmp_path.iterdir()) == []

@@ -16,7 +16,8 @@ NCCL_TIMEOUT = (
 
 
 def test_nccl_watchdog_message_names_the_collective_and_sequence():
-    failure = failfast.as_collective_failure(dist.DistBackendError(NCCL_TIMEOUT), phase="training")
+    error = dist.DistBackendError(NCCL_TIMEOUT)
+    failure = failfast.as_collective_failure(error, phase="training", backend="nccl")
     assert (failure.collective, failure.sequence) == ("ALLREDUCE", "1")
 
 
@@ -24,16 +25,20 @@ def test_nccl_watchdog_message_names_the_collective_and_sequence():
     "err", [ValueError("bad shape"), RuntimeError("CUDA out of memory. Tried to allocate")]
 )
 def test_other_errors_are_not_dressed_up_as_collective_failures(err):
-    assert failfast.as_collective_failure(err, phase="training") is None
+    assert failfast.as_collective_failure(err, phase="training", backend="nccl") is None
 
 
-def test_remedy_block_lists_env_causes_and_next_commands_in_order():
+def block_for(message: str, phase: str, backend: str) -> str:
     decision = nccl.decide(NcclConfig(p2p_disable=True), None, {"NCCL_DEBUG": "WARN"})
-    failure = failfast.as_collective_failure(RuntimeError(NCCL_TIMEOUT), phase="training")
-    block = failfast.remedy_block(
-        failure, rank=0, timeout_s=180, decision=decision, profile="pcie_safe", package=PACKAGE, nproc=2,
-        trace_prefix="/runs/x/nccl/trace_rank_",
+    failure = failfast.as_collective_failure(RuntimeError(message), phase=phase, backend=backend)
+    return failfast.remedy_block(
+        failure, rank=0, backend=backend, timeout_s=180, decision=decision, profile="pcie_safe",
+        launch=f"{PACKAGE} train --nproc-per-node 2", package=PACKAGE, trace_prefix="/runs/x/nccl/trace_rank_",
     )  # fmt: skip
+
+
+def test_a_failed_gate_under_nccl_gets_the_transport_causes_in_order():
+    block = block_for(NCCL_TIMEOUT, phase=failfast.GATE_PHASE, backend="nccl")
     assert "ALLREDUCE, sequence number 1" in block
     assert "NCCL_P2P_DISABLE = 1       config nccl.p2p_disable" in block
     assert "NCCL_DEBUG       = WARN    environment" in block
@@ -43,8 +48,52 @@ def test_remedy_block_lists_env_causes_and_next_commands_in_order():
     ]
     assert causes == sorted(causes)
     assert f"python -m {PACKAGE}.doctor" in block
-    assert f"-m {PACKAGE}.train nccl=pcie_safe" in block
-    assert "NCCL_DEBUG=INFO" in block
+    assert f"{PACKAGE} train --nproc-per-node 2 nccl=pcie_safe" in block
+    assert "NCCL_DEBUG=INFO" in block and "Flight recorder" in block
+
+
+SILENT_PEER = [
+    ("nccl", NCCL_TIMEOUT.replace("SeqNum=1", "SeqNum=4021")),
+    (
+        "gloo",
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation",
+    ),
+    ("gloo", "Application timeout caused pair closure"),  # from DDP's backward
+]
+DEAD_PEER = [
+    ("gloo", "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41919"),
+    (
+        "gloo",
+        "[gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:5678: Connection reset by peer",
+    ),
+    ("nccl", "NCCL error: remote process exited or there was a network error, NCCL version 2.28.9"),
+    (
+        "nccl",
+        "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("backend", "message"), SILENT_PEER)
+def test_a_peer_that_stops_answering_mid_run_is_not_blamed_on_the_transport(backend, message):
+    block = block_for(message, phase="training", backend=backend)
+    assert "stopped answering: nothing came from it for 180 s" in block
+    assert "peer-to-peer" not in block and "/dev/shm" not in block and "doctor" not in block
+    assert ("NCCL environment in force" in block) == (backend == "nccl")
+
+
+@pytest.mark.parametrize(("backend", "message"), DEAD_PEER)
+def test_a_peer_that_died_is_named_as_such_with_no_transport_advice(backend, message):
+    block = block_for(message, phase="training", backend=backend)
+    assert "Another process of this run ended while this one waited for it" in block
+    assert "torchrun's summary names the process that ended first" in block
+    assert "peer-to-peer" not in block and "doctor" not in block
+
+
+def test_gloo_never_gets_nccl_advice_even_at_the_gate():
+    message = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv"
+    block = block_for(message, phase=failfast.GATE_PHASE, backend="gloo")
+    assert "NCCL" not in block and "peer-to-peer" not in block
 
 
 def test_only_the_first_failing_process_prints_the_block(tmp_path, monkeypatch):
@@ -53,14 +102,14 @@ def test_only_the_first_failing_process_prints_the_block(tmp_path, monkeypatch):
     assert failfast.claim_report(tmp_path) is False
 
 
-def test_a_hung_rank_ends_every_process_within_the_timeout_with_the_remedy(tmp_path):
+def test_a_hung_rank_ends_every_process_within_the_timeout_with_the_true_cause(tmp_path):
     timeout_s = 10
     code, output, seconds = hang_one_rank(tmp_path, timeout_s=timeout_s)
     assert code != 0
     assert seconds <= timeout_s + 60, output[-3000:]
-    assert output.count("A collective failed on rank 0") == 1, output[-3000:]
-    assert "Likely causes, most likely first" in output
-    assert f"python -m {PACKAGE}.doctor" in output
+    assert output.count("A collective failed on rank 0 (gloo)") == 1, output[-3000:]
+    assert "Another process stopped answering" in output
+    assert "NCCL" not in output.split("A collective failed", 1)[1].split("=" * 78)[0]
     assert f"exitcode  : {failfast.EXIT_COLLECTIVE_FAILED}" in output  # rank 0's own exit
 
 
@@ -85,7 +134,7 @@ def test_stall_watchdog_reports_only_when_progress_stops():
     ],
 )
 def test_dataloader_failures_are_not_reported_as_collective_failures(err):
-    assert failfast.as_collective_failure(err, phase="training") is None
+    assert failfast.as_collective_failure(err, phase="training", backend="gloo") is None
 
 
 @pytest.mark.parametrize(
@@ -96,7 +145,8 @@ def test_dataloader_failures_are_not_reported_as_collective_failures(err):
     ],
 )
 def test_gloo_timeouts_are_collective_failures(message):
-    assert failfast.as_collective_failure(RuntimeError(message), phase="training") is not None
+    error = RuntimeError(message)
+    assert failfast.as_collective_failure(error, phase="training", backend="gloo") is not None
 
 
 def test_each_launch_reports_its_own_failure(tmp_path, monkeypatch):

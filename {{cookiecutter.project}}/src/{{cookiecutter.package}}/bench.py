@@ -143,7 +143,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     train.apply_nccl_env(cfg, world, profile, scratch)
     device = train.select_device(cfg, world)
     train.init_process_group(cfg, world, device)
-    control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    control = train.control_group(cfg, world)
     sizes = sorted({1, world.size})
     times = {n: {"template": [], "reference": []} for n in sizes}
     for pair in range(pairs):

@@ -10,16 +10,15 @@ the one the Job's podFailurePolicy fails on at once (torchrun reports every fail
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import re
 import sys
 
 from hydra import compose, initialize_config_module
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from {{ cookiecutter.package }}.config import (
@@ -28,6 +27,7 @@ from {{ cookiecutter.package }}.config import (
     exit_with_error,
     register_configs,
     to_train_config,
+    typed,
 )
 
 EXIT_CONFIG_ERROR = 2
@@ -41,6 +41,9 @@ def schema_keys(err: Exception) -> list[str]:
 
 def one_line(err: Exception) -> str:
     """Hydra's and OmegaConf's multi-line messages, as one line that names the key."""
+    if isinstance(err, OverrideParseException):
+        reason = str(err).splitlines()[-2 if "Error parsing" in str(err) else 0]
+        return f"{err.override}: not an override Hydra can read ({reason}); write key=value"
     cause = err if getattr(err, "full_key", None) else err.__cause__
     full_key = getattr(cause, "full_key", None)
     if full_key:
@@ -88,14 +91,6 @@ def config_problem(overrides: list[str]) -> str | None:
     except CONFIG_ERRORS as err:
         return describe(err)
     return None
-
-
-def typed(cfg: DictConfig) -> TrainConfig:
-    """A config Hydra composed for a run (with its `hydra` node), checked."""
-    task = copy.deepcopy(cfg)
-    with open_dict(task):
-        task.pop("hydra", None)
-    return to_train_config(task)
 
 
 class ConfigCheck(Callback):

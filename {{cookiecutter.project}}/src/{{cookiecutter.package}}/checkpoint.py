@@ -17,7 +17,7 @@ import re
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
 from {{ cookiecutter.package }}.world import World
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class Progress:
         self.step, self.epoch, self.batch_in_epoch = (
             state["step"], state["epoch"], state["batch_in_epoch"]
         )  # fmt: skip
+
+
+class Incompatible(Exception):
+    """A checkpoint that cannot be loaded into this run's model or optimizer; one line."""
 
 
 class Diverged(RuntimeError):
@@ -108,11 +113,11 @@ def read(path: Path, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
-def newest_readable(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+def newest_readable(run_dir: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads, with a warning for each one skipped."""
     for path in reversed(checkpoint_paths(run_dir)):
         try:
-            return path, read(path)
+            return path, read(path, mmap=mmap)
         except Exception as err:  # truncated, corrupt, or not a checkpoint at all
             reason = " ".join(str(err).split())[:200]
             log.warning("skipping unreadable checkpoint %s: %s", path.name, reason)
@@ -158,12 +163,12 @@ class Checkpointer:
         group: dist.ProcessGroup | None,
         states: dict[str, Stateful],
         config: dict[str, Any],
-        heartbeat: Callable[[], None] = lambda: None,
+        watchdog: Heartbeat = NO_WATCHDOG,
     ) -> None:
         self.directory = run_dir / "checkpoints"
         self.run_dir, self.every, self.keep = run_dir, every, keep
         self.world, self.group, self.states, self.config = world, group, states, config
-        self.heartbeat = heartbeat  # checkpoint I/O is not a stalled collective
+        self.watchdog = watchdog
         self.preemption = Preemption(group, world)
         self.preempted = False
         self.readable: dict[tuple[str, int, int], bool] = {}  # (name, size, mtime) -> reads back
@@ -202,10 +207,17 @@ class Checkpointer:
         state = read(self.newest)
         for key, stateful in self.states.items():
             if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
-                stateful.load_state_dict(state[key])
+                try:
+                    stateful.load_state_dict(state[key])
+                except (RuntimeError, ValueError, KeyError) as err:
+                    reason = " ".join(str(err).split())[:300]
+                    raise Incompatible(
+                        f"{self.newest.name} does not fit this run's {key}: {reason}; resume with "
+                        "the config it was written with, or choose another hydra.run.dir"
+                    ) from None
         if state["world_size"] == self.world.size:
             set_rng_state(state["rng"][self.world.rank])
-        self.heartbeat()
+        self.watchdog.beat()  # loading a large checkpoint is no stalled collective
         return state
 
     # --- saving ---------------------------------------------------------------------------
@@ -222,23 +234,22 @@ class Checkpointer:
         if not all_finite(model):  # identical on every rank under DDP: all stop together
             raise Diverged(step, "a weight")
         rng = self.gather_rng_states()
-        if self.world.main:
-            state = {key: stateful.state_dict() for key, stateful in self.states.items()}
-            state |= {
-                "step": step,
-                "rng": rng,
-                "config": self.config,
-                "world_size": self.world.size,
-            }
-            path = self.directory / f"step_{step:09d}.pt"
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.heartbeat()
-            write_atomically(state, path)
-            self.readable[self.identity(path)] = True
-            self.newest = path
-            log.info("checkpoint %s", path.relative_to(self.run_dir))
-            self.purge(written=path)
-        self.heartbeat()
+        # Disk I/O, not a stalled collective: the others wait for it on the CPU group (whose
+        # timeout is dist.checkpoint_timeout_s), with no GPU collective pending meanwhile.
+        with self.watchdog.paused():
+            if self.world.main:
+                state = {key: stateful.state_dict() for key, stateful in self.states.items()}
+                state |= {"step": step, "rng": rng, "config": self.config}
+                state["world_size"] = self.world.size
+                path = self.directory / f"step_{step:09d}.pt"
+                self.directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(state, path)
+                self.readable[self.identity(path)] = True
+                self.newest = path
+                log.info("checkpoint %s", path.relative_to(self.run_dir))
+                self.purge(written=path)
+            if self.world.size > 1:
+                dist.barrier(group=self.group)
 
     def gather_rng_states(self) -> list[dict[str, Any]]:
         """Every rank's RNG state, in rank order."""

@@ -7,6 +7,8 @@ check_*; check.ConfigCheck runs them all before Hydra creates the run dir.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 import re
@@ -15,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, NoReturn, Optional
+from typing import Any, Dict, List, NoReturn, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from {{ cookiecutter.package }} import nccl
 from {{ cookiecutter.package }}.world import World
@@ -93,7 +95,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
-        require(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be 0 or more")
+        require(
+            0 <= self.num_workers <= 64, "data.num_workers", self.num_workers, "must be 0 to 64"
+        )
         require(
             not (self.on_device and self.num_workers > 0),
             "data.num_workers",
@@ -161,6 +165,7 @@ class TrainerConfig:
     grad_accumulation: int = MISSING
     fused_optimizer: bool = MISSING
     compile: bool = MISSING
+    accept_changes: List[str] = MISSING
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
@@ -179,6 +184,12 @@ class TrainerConfig:
             "trainer.max_grad_norm", self.max_grad_norm, "must be null (no clipping) or a finite number above 0",
         )  # fmt: skip
         require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
+        require(
+            0 <= self.seed < 2**63,
+            "trainer.seed",
+            self.seed,
+            "must be 0 to 2**63-1 (torch's range)",
+        )
         require(
             self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "must be 0 or more"
         )
@@ -202,6 +213,9 @@ class TrainerConfig:
         )
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
 class CommHook(Enum):
     default = "default"  # DDP's own: sum, then divide by the world size
     bf16 = "bf16"  # compress to bf16 for the all-reduce: half the bytes on the wire
@@ -213,6 +227,7 @@ class DistConfig:
     backend: Backend = MISSING
     timeout_s: int = MISSING
     gate_timeout_s: int = MISSING
+    checkpoint_timeout_s: int = MISSING
     async_error_handling: Optional[int] = MISSING
     bucket_cap_mb: int = MISSING
     gradient_as_bucket_view: bool = MISSING
@@ -221,13 +236,12 @@ class DistConfig:
     time_comm: bool = MISSING
 
     def __post_init__(self) -> None:
-        require(self.timeout_s >= 1, "dist.timeout_s", self.timeout_s, "must be at least 1 second")
-        require(
-            self.gate_timeout_s >= 1,
-            "dist.gate_timeout_s",
-            self.gate_timeout_s,
-            "must be at least 1 second",
-        )
+        for key in ("timeout_s", "gate_timeout_s", "checkpoint_timeout_s"):
+            seconds = getattr(self, key)
+            require(
+                1 <= seconds <= MAX_TIMEOUT_S, f"dist.{key}", seconds,
+                f"must be 1 to {MAX_TIMEOUT_S} seconds (a week)",
+            )  # fmt: skip
         require(
             self.async_error_handling in (None, 0, 1, 2, 3),
             "dist.async_error_handling",
@@ -369,14 +383,38 @@ def check_combinations(config: TrainConfig) -> None:
         raise ConfigError("model: an MLP reads labelled points; use data=synthetic")
 
 
+def check_keys(node: DictConfig, prefix: str = "") -> None:
+    """Hydra's `+key=value` adds a key even to a typed node; a key outside the schema is a typo
+    that would otherwise be ignored. (nccl.env is a dict: its keys are nccl.config_errors'.)"""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    allowed = [f.name for f in dataclasses.fields(schema)]
+    for key in node:
+        if key not in allowed:
+            raise ConfigError(f"{prefix}{key}: no such key; allowed: {', '.join(allowed)}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            check_keys(child, f"{prefix}{key}.")
+
+
 def to_train_config(cfg: DictConfig, world: World | None = None) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key."""
     world = world or World.from_env()
+    check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
     check_devices(config, world)
     check_data(config, world)
     check_combinations(config)
     return config
+
+
+def typed(cfg: DictConfig) -> TrainConfig:
+    """A config Hydra composed for a run (with its `hydra` node, which is not ours), checked."""
+    task = copy.deepcopy(cfg)
+    with open_dict(task):
+        task.pop("hydra", None)
+    return to_train_config(task)
 
 
 def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:

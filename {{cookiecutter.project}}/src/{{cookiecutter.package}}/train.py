@@ -1,5 +1,6 @@
 """Train with DistributedDataParallel: the launch. The loop itself is trainer.py.
 
+    ddp-project train                                           # launch.py: checks, then torchrun on every GPU
     python -m {{ cookiecutter.package }}.train                                     # one process
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train   # 2 GPUs, else 2 CPU processes
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl=pcie_safe trainer.max_steps=1000
@@ -14,7 +15,9 @@ run dir exists. Rank and world size come from torchrun's environment, read once 
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -25,14 +28,21 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from {{ cookiecutter.package }} import checkpoint, failfast, metrics, nccl, probe
-from {{ cookiecutter.package }}.check import typed
-from {{ cookiecutter.package }}.config import TrainConfig, exit_with_error, register_configs, uses_cuda
+from {{ cookiecutter.package }} import checkpoint, failfast, launch, metrics, nccl, probe
+from {{ cookiecutter.package }}.config import (
+    TrainConfig,
+    exit_with_error,
+    register_configs,
+    typed,
+    uses_cuda,
+)
 from {{ cookiecutter.package }}.trainer import Trainer
 from {{ cookiecutter.package }}.world import World
 
 log = logging.getLogger(__name__)
+EXIT_CONFIG_ERROR = 2  # as check.py's: the Job's podFailurePolicy fails at once on it
 EXIT_DIVERGED = 4
+ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
 
 
 def flight_recorder_buffer_var() -> str:
@@ -86,6 +96,14 @@ def init_process_group(cfg: TrainConfig, world: World, device: torch.device) -> 
     )
 
 
+def control_group(cfg: TrainConfig, world: World) -> dist.ProcessGroup | None:
+    """Control messages (stop? which checkpoint? done writing?) go over the CPU, with time for
+    rank 0 to write a checkpoint while the others wait."""
+    if world.size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.checkpoint_timeout_s))
+
+
 def report_collective_failure(
     failure: failfast.CollectiveFailure,
     cfg: TrainConfig,
@@ -98,11 +116,12 @@ def report_collective_failure(
         block = failfast.remedy_block(
             failure,
             rank=world.rank,
+            backend=dist.get_backend(),
             timeout_s=cfg.dist.timeout_s,
             decision=decision,
             profile=profile,
+            launch=f"{launch.COMMAND} train --nproc-per-node {world.local_size}",
             package=__package__,
-            nproc=world.local_size,
             trace_prefix=decision.env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""),
         )
         print(block, file=sys.stderr, flush=True)
@@ -116,7 +135,8 @@ def report_collective_failure(
 
 def report_divergence(err: checkpoint.Diverged, cfg: TrainConfig, newest: Path | None) -> None:
     resume = (
-        f"resume from {newest.name} (relaunch with the same hydra.run.dir)"
+        f"resume from {newest.name}: relaunch with the same hydra.run.dir, the new value and "
+        "trainer.accept_changes=[trainer.lr]"
         if newest
         else "start again"
     )
@@ -126,6 +146,14 @@ def report_divergence(err: checkpoint.Diverged, cfg: TrainConfig, newest: Path |
         file=sys.stderr,
         flush=True,
     )
+
+
+def stop_when_orphaned(launcher_pid: int) -> None:
+    """torchrun is gone (SIGKILL, OOM): stop as on SIGTERM, with a checkpoint if the ranks can
+    still agree on a step, and end within ORPHAN_EXIT_S whatever happens."""
+    log.warning("torchrun (pid %d) is gone: stopping", launcher_pid)
+    threading.Timer(ORPHAN_EXIT_S, os._exit, args=(checkpoint.EXIT_PREEMPTED,)).start()
+    signal.raise_signal(signal.SIGTERM)
 
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
@@ -142,18 +170,19 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
 
     # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
     watchdog = failfast.StallWatchdog(cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail)
-    exit_code = 0
+    orphan_watch = failfast.LauncherWatch(stop_when_orphaned) if world.launched else None
+    phase, exit_code = failfast.GATE_PHASE, 0
     try:
         failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
+        phase = "training"
         if world.main:
             log.info(
                 "world size %d, backend %s, gate all-reduce passed, run dir %s",
                 world.size, dist.get_backend(), run_dir,
             )  # fmt: skip
             metrics.save_config(cfg, run_dir)
-        # A CPU group for control messages (stop? which checkpoint?): no GPU synchronisation.
-        control = dist.new_group(backend="gloo") if device.type == "cuda" else None
-        trainer = Trainer(cfg, world, device, run_dir, control, heartbeat=watchdog.beat)
+        control = control_group(cfg, world)
+        trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
         try:
             if trainer.train():  # stopped by SIGTERM, after a checkpoint
                 exit_code = checkpoint.EXIT_PREEMPTED
@@ -161,18 +190,24 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
             if world.main:
                 report_divergence(err, cfg, trainer.checkpointer.newest)
             exit_code = EXIT_DIVERGED
+        except checkpoint.Incompatible as err:  # every rank loads the same checkpoint
+            if world.main:
+                print(f"config error: {err}", file=sys.stderr, flush=True)
+            exit_code = EXIT_CONFIG_ERROR
         del trainer
         gc.collect()  # drop DDP's reducer and the DataLoader workers before the barrier
         dist.barrier()
         if world.main:
             metrics.plot_and_log(run_dir)
     except Exception as err:
-        failure = failfast.as_collective_failure(err, phase="training")
+        failure = failfast.as_collective_failure(err, phase, dist.get_backend())
         if failure is None:
             raise
         fail(failure)
     finally:
         watchdog.stop()
+        if orphan_watch:
+            orphan_watch.stop()
         dist.destroy_process_group()
     if exit_code:
         sys.exit(exit_code)

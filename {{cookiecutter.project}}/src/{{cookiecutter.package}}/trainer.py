@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -26,6 +26,7 @@ from {{ cookiecutter.package }} import ddp, metrics
 from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
 from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
 from {{ cookiecutter.package }}.data import build_dataset, build_loader
+from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.world import World
 
@@ -97,10 +98,10 @@ class Trainer:
         device: torch.device,
         run_dir: Path,
         control: dist.ProcessGroup | None = None,
-        heartbeat: Callable[[], None] = lambda: None,
+        watchdog: Heartbeat = NO_WATCHDOG,
     ) -> None:
         self.cfg, self.world, self.device, self.run_dir = cfg, world, device, run_dir
-        self.heartbeat = heartbeat  # tells the stall watchdog that steps go on
+        self.watchdog = watchdog  # told that steps go on
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
         dataset = build_dataset(cfg.data, seed)
@@ -132,7 +133,7 @@ class Trainer:
                 "data": self.progress,
             },
             config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
-            heartbeat=heartbeat,
+            watchdog=watchdog,
         )
         self.window = Window(device, step=0)
 
@@ -151,7 +152,7 @@ class Trainer:
                     log_now = self.ends_window(step)
                     self.step([next(batches) for _ in range(accumulation)], log_now)
                     self.progress.step = step
-                    self.heartbeat()
+                    self.watchdog.beat()
                     record.step(step)
                     if log_now:
                         record.write(self.log_row(step))
