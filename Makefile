@@ -8,10 +8,12 @@ DEMO := build/demo
 
 .PHONY: demo test clean
 
-$(BIN)/.installed: requirements-test.txt
+$(BIN)/.installed: requirements-test.txt requirements-checkov.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-test.txt
+	$(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/python -m pip install --quiet -r requirements-checkov.txt
 	touch $@
 
 demo: $(BIN)/.installed

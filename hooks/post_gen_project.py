@@ -11,7 +11,12 @@ ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 # The renderer needs only the standard library and PyYAML (a dependency of cookiecutter).
 sys.path.insert(0, "src")
 k8s = importlib.import_module(f"{ANSWERS['package']}.k8s")
-k8s.write(k8s.from_files(Path("configs"), ANSWERS["nccl_profile"]), Path("k8s"))
+try:
+    rendered = k8s.from_files(Path("configs"), ANSWERS["nccl_profile"])
+except ValueError as problem:  # a deploy value k8s.py refuses: one line; cookiecutter removes the project
+    print(f"error: {problem}", file=sys.stderr, flush=True)
+    sys.exit(1)
+k8s.write(rendered, Path("k8s"))
 
 print(
     f"""

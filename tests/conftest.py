@@ -1,18 +1,39 @@
 """Render the template the way users do: cookiecutter's API and its real command line."""
 
+import copy
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 from cookiecutter.main import cookiecutter
+from no_skips import pytest_runtest_makereport  # noqa: F401  (the hook: a skip fails in CI)
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEFAULTS = json.loads((TEMPLATE / "cookiecutter.json").read_text())
 PROFILES = DEFAULTS["nccl_profile"]
+# (nccl_profile, num_gpus, project, num_nodes, k8s_flavor): every profile, 1 to 16 GPUs (odd counts
+# too), 1 to 16 nodes, every flavor on one node and on several; the long name checks that
+# formatting does not depend on it.
+MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1, "job") for profile in PROFILES] + [
+    ("auto", 1, "one-gpu", 1, "job"),
+    ("pcie_safe", 8, "eight-gpus", 1, "job"),
+    ("socket", 16, "a-thirty-one-character-project", 1, "job"),
+    ("infiniband", 8, "two-nodes", 2, "job"),
+    ("auto", 4, "sixteen-nodes", 16, "job"),
+    ("infiniband", 8, "jobset-two-nodes", 2, "jobset"),
+    ("auto", 2, "jobset-one-node", 1, "jobset"),
+    ("infiniband", 8, "pytorchjob-two-nodes", 2, "pytorchjob"),
+    ("auto", 1, "pytorchjob-one-node", 1, "pytorchjob"),
+    ("infiniband", 3, "trainjob-two-nodes", 2, "trainjob"),
+    ("auto", 1, "trainjob-one-node", 1, "trainjob"),
+]
+MATRIX_IDS = [f"{p}-{g}gpu-{n}node-{f}" for p, g, _, n, f in MATRIX]
 
 
 def render(output_dir: Path, **context) -> Path:
@@ -53,3 +74,81 @@ def default_project(tmp_path_factory) -> Path:
 def installed_default(default_project, tmp_path_factory) -> Path:
     """The default project installed non-editably; put it on PYTHONPATH to use it."""
     return install(default_project, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory) -> dict[str, SimpleNamespace]:
+    """Every render of MATRIX, by id, once per session: test_render checks them one at a time,
+    test_cluster sends them all to the API server at once."""
+    renders = {}
+    for id_, (profile, gpus, project, nodes, flavor) in zip(MATRIX_IDS, MATRIX, strict=True):
+        path = render(
+            tmp_path_factory.mktemp("render"), project=project, nccl_profile=profile,
+            num_gpus=str(gpus), num_nodes=str(nodes), k8s_flavor=flavor,
+        )  # fmt: skip
+        renders[id_] = SimpleNamespace(
+            path=path, profile=profile, gpus=gpus, nodes=nodes, flavor=flavor, package=project.replace("-", "_")
+        )
+    return renders
+
+
+def manifest_of(rendered) -> dict:
+    """k8s/job.yaml, jobset.yaml, pytorchjob.yaml or trainjob.yaml."""
+    return yaml.safe_load((rendered.path / "k8s" / f"{rendered.flavor}.yaml").read_text())
+
+
+def deploy_of(rendered) -> dict:
+    return yaml.safe_load((rendered.path / "configs" / "deploy" / "default.yaml").read_text())
+
+
+def job_of(rendered) -> dict:
+    """The batch/v1 Job: k8s/job.yaml, or the one a JobSet's replicated Job makes."""
+    if rendered.flavor == "job":
+        return manifest_of(rendered)
+    jobset = manifest_of(rendered)
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    name = f"{jobset['metadata']['name']}-{replicated['name']}-0"  # the JobSet's naming
+    metadata = {**replicated["template"]["metadata"], "name": name, "namespace": jobset["metadata"]["namespace"]}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": replicated["template"]["spec"]}
+
+
+# Kubeflow Trainer v2.3's torch plugin (pkg/runtime/framework/plugins/torch/torch.go, in
+# ../shared/k8s/reference/) on the trainer container "node": numNodes, numProcPerNode, the
+# completion index, and pod 0 of the JobSet's Job "node" on port 29500 (pkg/constants).
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def trainer_pod_template(trainjob: dict) -> dict:
+    """The pod template of the JobSet that Trainer makes from a TrainJob: the torch-distributed
+    runtime's template (one container, "node", and its ancestor label), the TrainJob's trainer
+    (image, command, args, env, resources), the torch plugin's env and port, then the patch."""
+    name, spec = trainjob["metadata"]["name"], trainjob["spec"]
+    trainer = spec["trainer"]
+    (patch,) = spec["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    template = copy.deepcopy(node["template"]["spec"]["template"])
+    template["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] = "trainer"
+    (container,) = template["spec"].pop("containers")
+    torch_env = [
+        {"name": "PET_NNODES", "value": str(trainer["numNodes"])},
+        {"name": "PET_NPROC_PER_NODE", "value": str(trainer["numProcPerNode"])},
+        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+        {"name": "PET_MASTER_ADDR", "value": f"{name}-node-0-0.{name}"},
+        {"name": "PET_MASTER_PORT", "value": "29500"},
+    ]
+    container |= {
+        "image": trainer["image"], "command": trainer["command"], "args": trainer["args"],
+        "env": trainer["env"] + torch_env, "resources": trainer["resourcesPerNode"],
+        "ports": [{"containerPort": 29500}],
+    }  # fmt: skip
+    template["spec"]["containers"] = [container]
+    return template
+
+
+def pod_template_of(rendered) -> dict:
+    """The pod template of every node's pod, whichever object holds it."""
+    if rendered.flavor == "trainjob":
+        return trainer_pod_template(manifest_of(rendered))
+    if rendered.flavor == "pytorchjob":
+        return manifest_of(rendered)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    return job_of(rendered)["spec"]["template"]

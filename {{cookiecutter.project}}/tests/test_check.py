@@ -104,7 +104,7 @@ BAD = [
     ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 or more"),
     (
         "deploy.flavor=mpijob",
-        "deploy.flavor: Invalid value 'mpijob', expected one of [job, jobset, pytorchjob]",
+        "deploy.flavor: Invalid value 'mpijob', expected one of [job, jobset, pytorchjob, trainjob]",
     ),
 ]
 

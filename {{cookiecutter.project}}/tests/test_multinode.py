@@ -2,10 +2,11 @@
 
 Each "node" is a process tree started with the trainer container's command, args and env from a
 fresh render of k8s/, plus what Kubernetes adds: the pod's hostname, JOB_COMPLETION_INDEX and
-POD_IP for a Job or JobSet, and the training operator's PET_* variables for a PyTorchJob. Two
-network namespaces joined by a veth pair act as two hosts, each with an /etc/hosts that holds the
-pods' DNS names; where namespaces cannot be made, private mount and UTS namespaces give each
-node its own loopback address and hostname instead.
+POD_IP for a Job or JobSet, the training operator's PET_* variables for a PyTorchJob, and Trainer's
+for a TrainJob. Two network namespaces joined by a veth pair act as two hosts, each with an
+/etc/hosts that holds the pods' DNS names; where namespaces cannot be made, private mount and UTS
+namespaces give each node its own loopback address and hostname instead. As in the pods, the
+root filesystem is read-only: only /tmp (which holds the run dir here) and /dev/shm are writable.
 """
 
 import os
@@ -32,8 +33,12 @@ POD_NAMES = {
     "job": lambda name, i: (f"{name}-{i}", f"{name}-{i}.{name}"),
     "jobset": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),
     "pytorchjob": lambda name, i: (f"{name}-worker-{i}",),  # the operator's Service per pod
+    "trainjob": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),  # a JobSet's
 }
-SET_HOSTNAME = 'hostname "$0" && exec "$@"'
+FLAVORS = list(POD_NAMES)
+# The pod's hostname, and its read-only root filesystem (readOnlyRootFilesystem) with /tmp, its
+# emptyDir, still writable; /dev/shm is a mount of its own.
+AS_A_POD = 'hostname "$0" && mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"'
 
 
 class Host(NamedTuple):
@@ -83,9 +88,10 @@ def hosts() -> Iterator:
                         ns,
                         "unshare",
                         "--uts",
+                        "--mount",
                         "sh",
                         "-c",
-                        SET_HOSTNAME,
+                        AS_A_POD,
                         names[i][0],
                     ],
                     addresses[i],
@@ -103,7 +109,7 @@ def hosts() -> Iterator:
             addresses = [f"127.0.0.{i + 1}" for i in range(NODES)]  # all of 127/8 is loopback
             private = Path(f"/tmp/ddp-hosts-{os.getpid()}")
             private.write_text(hosts_file(names, addresses))
-            setup = f"mount --bind {private} /etc/hosts && {SET_HOSTNAME}"
+            setup = f"mount --bind {private} /etc/hosts && {AS_A_POD}"
             return [
                 Host(["unshare", "--mount", "--uts", "sh", "-c", setup, names[i][0]], addresses[i])
                 for i in range(NODES)
@@ -117,10 +123,12 @@ def hosts() -> Iterator:
 def rendered_pods(out: Path, flavor: str, gpus: int) -> dict:
     """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, from a
     fresh render of k8s/ for NODES nodes."""
-    render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(out), f"deploy.flavor={flavor}",
-              f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"]  # fmt: skip
+    render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--force", "--out", str(out),
+              f"deploy.flavor={flavor}", f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"]  # fmt: skip
     subprocess.run(render, check=True, capture_output=True)
     manifest = yaml.safe_load((out / f"{flavor}.yaml").read_text())
+    if flavor == "trainjob":  # Trainer's torch plugin makes the container from spec.trainer
+        return manifest, manifest["spec"]["trainer"]
     if flavor == "pytorchjob":
         pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     elif flavor == "jobset":
@@ -144,6 +152,19 @@ def operator_env(pytorchjob: dict, port: int) -> dict[str, str]:
         "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
         "PET_RDZV_ID": policy["rdzvId"],
         "PET_NPROC_PER_NODE": spec["nprocPerNode"],
+    }
+
+
+def trainer_env(trainjob: dict, port: int) -> dict[str, str]:
+    """What Kubeflow Trainer v2.3's torch plugin sets (pkg/runtime/framework/plugins/torch/torch.go,
+    EnforceMLPolicy): numNodes, numProcPerNode, and pod 0 of the JobSet's replicated Job "node"
+    as the master; PET_NODE_RANK is the pod's completion index, set per node."""
+    name, trainer = trainjob["metadata"]["name"], trainjob["spec"]["trainer"]
+    return {
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+        "PET_MASTER_PORT": str(port),  # Trainer's 29500, which may be taken on this machine
     }
 
 
@@ -188,16 +209,19 @@ def launch_nodes(
         for a in container["args"]
     ]
     port = port or free_port()
-    operator = operator_env(manifest, port) if flavor == "pytorchjob" else {}
+    operator = {"pytorchjob": operator_env, "trainjob": trainer_env}.get(flavor)
+    injected = operator(manifest, port) if operator else {}
     names = [POD_NAMES[flavor](name, i) for i in range(NODES)]
     rdzv_host = next((v["value"] for v in container["env"] if v["name"] == "RDZV_HOST"), None)
     assert rdzv_host in (None, *names[0])  # the manifest names pod 0 as Kubernetes does
+    assert injected.get("PET_MASTER_ADDR") in (None, *names[0])
     return [
         subprocess.Popen(
             [*host.prefix, *container["command"], *args, *overrides],
             env={
                 **node_env(container, index, host, port),
-                **operator,
+                **injected,
+                **({"PET_NODE_RANK": str(index)} if flavor == "trainjob" else {}),
                 **({"CUDA_VISIBLE_DEVICES": devices[index]} if devices else {}),
             },  # fmt: skip
             cwd=tmp_path,
@@ -247,7 +271,7 @@ def assert_resumed_and_finished(
     assert "resumed from the checkpoint of step" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.parametrize("flavor", ["job", "jobset", "pytorchjob"])
+@pytest.mark.parametrize("flavor", FLAVORS)
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     run_dir = tmp_path / "run"
     nodes = launch_nodes(
@@ -256,6 +280,8 @@ def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     outputs = finish(nodes, timeout=240)
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
+        # the caches went to HOME=/tmp, not to a read-only home (matplotlib warns there)
+        assert "not a writable directory" not in output, output[-3000:]
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [10, 20]
     assert all(row["world_size"] == NODES * GPUS for row in rows)

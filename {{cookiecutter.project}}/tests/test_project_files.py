@@ -41,7 +41,7 @@ def test_k8s_check_notices_an_edit_and_regenerating_fixes_it(tmp_path):
     import sys
 
     shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
-    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(tmp_path / "k8s")]
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--force", "--out", str(tmp_path / "k8s")]
     stale = subprocess.run([*command, "--check", "deploy.nodes=2"], capture_output=True, text=True)
     assert stale.returncode == 1
     assert "service.yaml: missing" in stale.stderr and "regenerate:" in stale.stderr

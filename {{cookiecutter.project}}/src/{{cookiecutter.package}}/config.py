@@ -11,10 +11,9 @@ import copy
 import dataclasses
 import math
 import os
-import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional
@@ -23,7 +22,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }} import k8s, nccl
 from {{ cookiecutter.package }}.world import World
 
 
@@ -276,56 +275,56 @@ class NcclConfig:
             raise ConfigError(errors[0])
 
 
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-
-
 class Flavor(Enum):
     job = "job"  # batch/v1 Job, and a headless Service for several nodes: no operator needed
     jobset = "jobset"  # a JobSet (jobset.x-k8s.io): restarts every node's pod together
     pytorchjob = "pytorchjob"  # a Kubeflow PyTorchJob (kubeflow.org/v1): the training operator
+    trainjob = "trainjob"  # a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1)
+
+
+class PullPolicy(Enum):
+    IfNotPresent = "IfNotPresent"
+    Always = "Always"
+    Never = "Never"
 
 
 @dataclass
 class DeployConfig:
-    """What k8s.py renders into k8s/: the image, where it runs, and the shape of the job."""
+    """What k8s.py renders into k8s/: the image, where it runs, the shape of the job and what
+    its pods ask of a node. k8s.deploy_errors() checks the values; the hook uses it too."""
 
     name: str = MISSING
     image: str = MISSING
+    image_pull_policy: PullPolicy = MISSING
     namespace: str = MISSING
     flavor: Flavor = MISSING
     nodes: int = MISSING
     gpus_per_node: int = MISSING
+    cpu_per_gpu: str = MISSING
+    memory_per_gpu: str = MISSING
+    ephemeral_storage: str = MISSING
     rdzv_port: int = MISSING
     shm_size: str = MISSING
     runs_storage: str = MISSING
     backoff_limit: int = MISSING
     max_restarts: int = MISSING
+    ttl_after_finished_s: Optional[int] = MISSING
+    active_deadline_s: Optional[int] = MISSING
+    tolerations: List[Dict[str, Any]] = MISSING
+    node_selector: Dict[str, str] = MISSING
+    priority_class: Optional[str] = MISSING
+    queue: Optional[str] = MISSING
 
     def __post_init__(self) -> None:
-        # The Job's pods are <name>-<index>-<suffix>; the claim is <name>-runs.
-        require(
-            DNS_LABEL.fullmatch(self.name) is not None and len(self.name) <= 47,
-            "deploy.name", self.name, "must be a DNS label of at most 47 characters (a-z, 0-9, -)",
-        )  # fmt: skip
-        require(
-            DNS_LABEL.fullmatch(self.namespace) is not None,
-            "deploy.namespace", self.namespace, "must be a DNS label (a-z, 0-9, -)",
-        )  # fmt: skip
-        require(self.nodes >= 1, "deploy.nodes", self.nodes, "must be at least 1")
-        require(
-            1 <= self.gpus_per_node <= 16,
-            "deploy.gpus_per_node", self.gpus_per_node, "must be 1 to 16",
-        )  # fmt: skip
-        require(
-            1024 <= self.rdzv_port <= 65535,
-            "deploy.rdzv_port", self.rdzv_port, "must be 1024 to 65535",
-        )  # fmt: skip
-        require(
-            self.backoff_limit >= 0, "deploy.backoff_limit", self.backoff_limit, "must be 0 or more"
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        errors = k8s.deploy_errors(
+            {
+                key: value.value if isinstance(value, Enum) else value
+                for key, value in values.items()
+            }
         )
-        require(
-            self.max_restarts >= 0, "deploy.max_restarts", self.max_restarts, "must be 0 or more"
-        )
+        if errors:
+            raise ConfigError(errors[0])
 
 
 @dataclass

@@ -1,0 +1,252 @@
+"""The rendered manifests against a real API server, as a cluster admin's would take them.
+
+../shared/k8s (beside this repository) runs kube-apiserver and kube-controller-manager v1.36 with
+the JobSet, PyTorchJob and Kubeflow Trainer CRDs, Trainer's torch-distributed runtime, and
+PodSecurity `restricted` enforced on the namespace default. It has no scheduler and no kubelet:
+pods are created, and checked as the server holds them, but never run. One cluster per session.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_template_of
+
+SHARED = TEMPLATE.parent / "shared" / "k8s"
+TRAINER = SHARED / "reference" / "kubeflow-trainer-v2.3.0" / "pkg"
+NAMESPACE = "default"  # the renders' namespace; restricted here, as an admin would set it
+
+
+class Cluster:
+    def __init__(self, env: dict[str, str]):
+        self.env = env  # KUBECONFIG, and the bundled kubectl first on PATH
+
+    def kubectl(self, *args: str, stdin: str | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            ["kubectl", *args], env=self.env, input=stdin, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0 or not ok, done.stderr[-3000:]
+        return done
+
+    def get(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", "-n", NAMESPACE, "-o", "json", *args).stdout)
+
+
+@pytest.fixture(scope="session")
+def shared_k8s() -> Path:
+    if not (SHARED / "cluster.sh").exists():
+        pytest.skip(
+            f"{SHARED}/cluster.sh not found: these tests need the local API server that sits beside "
+            "this repository in the ddp-template workspace (CI: bash .ci/run)"
+        )
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def cluster(shared_k8s, tmp_path_factory):
+    """An API server for this session, with its state in a folder of its own."""
+    script = str(shared_k8s / "cluster.sh")
+    env = {**os.environ, "K8S_STATE_DIR": str(tmp_path_factory.mktemp("k8s-state"))}
+    up = subprocess.run([script, "up"], env=env, capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, up.stderr[-3000:]
+    exports = subprocess.run([script, "env"], env=env, capture_output=True, text=True, check=True)
+    for line in exports.stdout.splitlines():  # export NAME=value, PATH=<bin>:$PATH
+        name, value = line.removeprefix("export ").split("=", 1)
+        env[name] = value.replace("$PATH", env["PATH"])
+    yield Cluster(env)
+    subprocess.run([script, "down"], env=env, capture_output=True, timeout=120, check=True)
+
+
+def test_every_render_passes_the_servers_strict_dry_run(cluster, matrix):
+    """Schema (the CRDs' too), defaulting and admission, with unknown fields refused; a Job's pod
+    template that broke PodSecurity restricted would draw a warning."""
+    files = sorted(p for r in matrix.values() for p in (r.path / "k8s").glob("*.yaml"))
+    done = cluster.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", *[a for f in files for a in ("-f", str(f))]
+    )
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(files) and all(line.endswith(" created (server dry run)") for line in lines)
+    kinds = {line.split("/")[0] for line in lines}
+    assert {"job.batch", "jobset.jobset.x-k8s.io", "pytorchjob.kubeflow.org", "trainjob.trainer.kubeflow.org"} <= kinds
+    # The dry run refuses what it should: a misspelt TrainJob field.
+    trainjob = yaml.safe_load(next(f for f in files if f.name == "trainjob.yaml").read_text())
+    trainjob["spec"]["trainer"]["numProcsPerNode"] = trainjob["spec"]["trainer"].pop("numProcPerNode")
+    refused = cluster.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=json.dumps(trainjob), ok=False
+    )
+    assert refused.returncode != 0 and 'unknown field "spec.trainer.numProcsPerNode"' in refused.stderr
+
+
+def json_objects(text: str) -> list[dict]:
+    """kubectl's `-o json` for several objects: one document after another."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        obj, end = decoder.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+        found.append(obj)
+        at = end
+    return found
+
+
+def first_pod(rendered) -> dict:
+    """Pod 0 of a render, as its controller makes it from the pod template (for a TrainJob, as
+    Trainer merges runtime, trainer and patch: conftest.trainer_pod_template)."""
+    template = pod_template_of(rendered)
+    metadata = {"name": f"{rendered.path.name}-0", "namespace": manifest_of(rendered)["metadata"]["namespace"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], **metadata},
+        "spec": template["spec"],
+    }
+
+
+def test_every_renders_pods_are_admitted_as_restricted_burstable_and_tokenless(cluster, matrix):
+    """The server's view of each render's pod: PodSecurity restricted admits it (enforced on Pods),
+    QoS is Burstable (not BestEffort, evicted first), and no API token is mounted (the
+    ServiceAccount admission adds one unless the pod or, for a TrainJob, its account says no)."""
+    renders = list(matrix.values())
+    accounts = [str(r.path / "k8s" / "serviceaccount.yaml") for r in renders if r.flavor == "trainjob"]
+    cluster.kubectl("apply", *[a for f in accounts for a in ("-f", f)])  # a pod may name only a real one
+    try:
+        pods = {"apiVersion": "v1", "kind": "List", "items": [first_pod(r) for r in renders]}
+        done = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(pods))
+    finally:
+        cluster.kubectl("delete", "--wait", *[a for f in accounts for a in ("-f", f)])
+    assert done.stderr == ""
+    served = json_objects(done.stdout)
+    assert [pod["metadata"]["name"] for pod in served] == [f"{r.path.name}-0" for r in renders]
+    for rendered, pod in zip(renders, served, strict=True):
+        where = rendered.path.name
+        assert pod["status"]["qosClass"] == "Burstable", where
+        assert not [v for v in pod["spec"]["volumes"] if v["name"].startswith("kube-api-access")], where
+        (container,) = pod["spec"]["containers"]
+        memory, gpus = f"{24 * rendered.gpus + 16}Gi", str(rendered.gpus)  # the GPU request: the server's
+        assert container["resources"] == {
+            "requests": {
+                "cpu": str(4 * rendered.gpus),
+                "memory": memory,
+                "ephemeral-storage": "10Gi",
+                "nvidia.com/gpu": gpus,
+            },
+            "limits": {"memory": memory, "nvidia.com/gpu": gpus},
+        }, where
+        assert container["imagePullPolicy"] == "IfNotPresent", where  # a TrainJob's too, by default
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, where
+
+
+def test_the_trainjob_model_matches_trainers_source(shared_k8s):
+    """conftest.trainer_pod_template and test_multinode's trainer_env model what Trainer v2.3 does;
+    its source and runtime here say the same (a TrainJob's pods are not made on this cluster)."""
+    torch = (TRAINER / "runtime" / "framework" / "plugins" / "torch" / "torch.go").read_text()
+    constants = (TRAINER / "constants" / "constants.go").read_text()
+    for name, variable in [("TorchEnvNumNodes", "PET_NNODES"), ("TorchEnvNumProcPerNode", "PET_NPROC_PER_NODE"),
+                           ("TorchEnvNodeRank", "PET_NODE_RANK"), ("TorchEnvMasterAddr", "PET_MASTER_ADDR"),
+                           ("TorchEnvMasterPort", "PET_MASTER_PORT")]:  # fmt: skip
+        assert f'{name} string = "{variable}"' in constants and f"constants.{name}" in torch
+    assert 'fmt.Sprintf("%s-%s-0-0.%s", trainJob.Name, constants.Node, trainJob.Name)' in torch
+    assert "ContainerTrainerPort int32 = 29500" in constants and 'Node string = "node"' in constants
+    assert "\"metadata.annotations['%s']\", batchv1.JobCompletionIndexAnnotation" in constants
+    assert COMPLETION_INDEX == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    runtime = yaml.safe_load((shared_k8s / "runtimes" / "torch_distributed-v2.3.0.yaml").read_text())
+    assert runtime["metadata"]["name"] == "torch-distributed"
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and list(pod) == ["containers"]  # nothing else goes into the pods
+    assert [set(c) for c in pod["containers"]] == [{"name", "image"}] and pod["containers"][0]["name"] == "node"
+
+
+def pods_of(cluster, name: str, count: int, image: str) -> list[dict]:
+    """The Job's pods once the controller has made `count` of them with `image`, by index."""
+    deadline = time.monotonic() + 60
+    while True:
+        pods = cluster.get("pods", "-l", f"job-name={name}")["items"]
+        live = [p for p in pods if "deletionTimestamp" not in p["metadata"]]
+        if len(live) == count and all(p["spec"]["containers"][0]["image"] == image for p in live):
+            return sorted(
+                live,
+                key=lambda p: int(
+                    p["metadata"].get("annotations", {}).get("batch.kubernetes.io/job-completion-index", 0)
+                ),
+            )
+        assert time.monotonic() < deadline, f"{len(live)} pods of {count}: {[p['metadata']['name'] for p in pods]}"
+        time.sleep(0.5)
+
+
+def assert_pods_are_what_the_launch_line_expects(cluster, pods: list[dict], name: str, image: str) -> None:
+    nodes = len(pods)
+    for index, pod in enumerate(pods):
+        spec = pod["spec"]
+        (container,) = spec["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert pod["status"]["qosClass"] == "Burstable"
+        assert container["resources"] == {
+            "requests": {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "10Gi", "nvidia.com/gpu": "2"},
+            "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"},
+        }
+        assert container["image"] == image and container["imagePullPolicy"] == "IfNotPresent"
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"}.items() <= next(
+            m for m in container["volumeMounts"] if m["name"] == "dshm"
+        ).items()
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert spec["automountServiceAccountToken"] is False
+        assert not [v for v in spec["volumes"] if v["name"].startswith("kube-api-access")]
+        (runs,) = [v for v in spec["volumes"] if v["name"] == "runs"]
+        assert runs["persistentVolumeClaim"]["claimName"] == f"{name}-runs-{'rwo' if nodes == 1 else 'rwx'}"
+        if nodes == 1:
+            assert "subdomain" not in spec and container["command"] == ["torchrun"]
+            continue
+        # The launch line: pod 0 hosts the rendezvous, the others reach it at RDZV_HOST.
+        assert pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(index)
+        assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == COMPLETION_INDEX
+        assert spec["hostname"] == f"{name}-{index}" and spec["subdomain"] == name
+        first = pods[0]["spec"]
+        assert env["RDZV_HOST"]["value"] == f"{first['hostname']}.{first['subdomain']}"
+        service = cluster.get("service", first["subdomain"])
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
+    cluster, default_project, installed_default, tmp_path
+):
+    """The project's own `make k8s-apply`: one node, then two (a claim of the other access mode,
+    not a clash), then a new image (a Job's pod template is immutable: it is replaced); the Job
+    controller's pods each time; then the README's delete leaves nothing."""
+    project = tmp_path / "ddp-project"
+    shutil.copytree(default_project, project)
+    env = {k: v for k, v in cluster.env.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
+    env |= {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(installed_default)}
+
+    def make(*args: str) -> None:
+        done = subprocess.run(["make", *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "Warning" not in done.stderr, done.stderr  # e.g. "would violate PodSecurity"
+
+    name, first, second = "ddp-project", "ghcr.io/your-org/ddp-project:0.1.0", "ghcr.io/your-org/ddp-project:0.2.0"
+    make("k8s-apply")
+    assert_pods_are_what_the_launch_line_expects(cluster, pods_of(cluster, name, 1, first), name, first)
+    for overrides, image in [("deploy.nodes=2", first), (f"deploy.nodes=2 deploy.image={second}", second)]:
+        make("k8s-render", f"ARGS={overrides}")
+        make("k8s-apply", f"ARGS={overrides}")
+        assert_pods_are_what_the_launch_line_expects(cluster, pods_of(cluster, name, 2, image), name, image)
+    claims = cluster.get("persistentvolumeclaims", "-l", f"app.kubernetes.io/name={name}")["items"]
+    assert sorted(c["metadata"]["name"] for c in claims) == [f"{name}-runs-rwo", f"{name}-runs-rwx"]
+
+    kinds = "jobs,services,persistentvolumeclaims,serviceaccounts"  # the README's command
+    cluster.kubectl(
+        "delete", "-n", NAMESPACE, kinds, "-l", f"app.kubernetes.io/name={name}", "--cascade=foreground", "--wait"
+    )
+    left = cluster.kubectl(
+        "get", "-n", NAMESPACE, f"pods,{kinds}", "-l", f"app.kubernetes.io/name={name}", "-o", "name"
+    )
+    assert left.stdout == ""
+    assert cluster.get("pods", "-l", f"job-name={name}")["items"] == []

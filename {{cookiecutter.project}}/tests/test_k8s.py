@@ -1,0 +1,205 @@
+"""The deploy group: each bad value is refused in one line before anything is written, and what
+the pods ask of a node, and where they may run, follows from the config."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import PACKAGE
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import k8s
+from {{ cookiecutter.package }}.check import config_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = [
+    ("deploy.name=3d-run", "deploy.name=3d-run: must be a-z, 0-9 and '-', start with a letter"),
+    ("deploy.name=" + "a" * 48, f"deploy.name={'a' * 48}: must be a-z, 0-9 and '-'"),
+    ("deploy.namespace=Team_A", "deploy.namespace=Team_A: must be a DNS label"),
+    ("deploy.image=ghcr.io/acme/x", "deploy.image=ghcr.io/acme/x: must name a tag or a digest"),
+    (
+        "deploy.image=ghcr.io/acme/x:latest",
+        "deploy.image=ghcr.io/acme/x:latest: a node keeps the :latest",
+    ),
+    ("deploy.image=ghcr.io/Acme/x:1", "deploy.image=ghcr.io/Acme/x:1: must be an image reference"),
+    ("deploy.image_pull_policy=Sometimes", "deploy.image_pull_policy: Invalid value 'Sometimes'"),
+    (
+        "deploy.flavor=trainjob deploy.image_pull_policy=Always",
+        "deploy.image_pull_policy=Always: a TrainJob cannot set it",
+    ),
+    ("deploy.nodes=0", "deploy.nodes=0: must be at least 1"),
+    ("deploy.gpus_per_node=17", "deploy.gpus_per_node=17: must be 1 to 16"),
+    ("deploy.cpu_per_gpu=0", "deploy.cpu_per_gpu=0: must be a CPU quantity above 0"),
+    ("deploy.cpu_per_gpu=0.0001", "deploy.cpu_per_gpu=0.0001: must be a CPU quantity"),
+    ("deploy.memory_per_gpu=24GB", "deploy.memory_per_gpu=24GB: must be a size such as 16Gi"),
+    ("deploy.shm_size=lots", "deploy.shm_size=lots: must be a size"),
+    ("deploy.runs_storage=100m", "deploy.runs_storage=100m: must be a size"),
+    ("deploy.rdzv_port=80", "deploy.rdzv_port=80: must be 1024 to 65535"),
+    (
+        "deploy.flavor=trainjob deploy.rdzv_port=29400",
+        "deploy.rdzv_port=29400: a TrainJob's rendezvous port is Trainer's 29500",
+    ),
+    ("deploy.ttl_after_finished_s=-1", "deploy.ttl_after_finished_s=-1: must be null (keep) or"),
+    ("deploy.active_deadline_s=0", "deploy.active_deadline_s=0: must be null (no limit) or"),
+    (
+        "deploy.tolerations=[{key:gpu,operator:Maybe}]",
+        "deploy.tolerations[0].operator=Maybe: must be Equal or Exists",
+    ),
+    ("deploy.tolerations=[{value:x}]", "deploy.tolerations[0].key=None: must be a taint key"),
+    (
+        "deploy.tolerations=[{key:gpu,tolerationSeconds:60}]",
+        "deploy.tolerations[0].tolerationSeconds=60: must be a whole number of seconds",
+    ),
+    ("deploy.tolerations=[{key:gpu,colour:red}]", "deploy.tolerations[0].colour: no such key"),
+    ("+deploy.node_selector.zone_=a", "deploy.node_selector.zone_: must be a label key"),
+    ("+deploy.node_selector={zone:a/b}", "deploy.node_selector.zone=a/b: must be a label value"),
+    ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
+    (
+        "deploy.flavor=trainjob deploy.priority_class=high",
+        "deploy.priority_class=high: a TrainJob cannot set it",
+    ),
+    ("deploy.queue=Team.A", "deploy.queue=Team.A: must be null or a Kueue LocalQueue name"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD, ids=[o for o, _ in BAD])
+def test_each_bad_deploy_value_is_one_line(overrides, message):
+    problem = config_problem(overrides.split(" "))
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(message), problem
+
+
+def test_k8s_writes_nothing_for_a_bad_value(tmp_path):
+    out = tmp_path / "k8s"
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s", "--force", "--out", str(out), "deploy.nodes=0"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "config error: deploy.nodes=0: must be at least 1\n"
+    assert not out.exists()
+
+
+def test_the_hooks_plain_yaml_path_refuses_the_same_way(tmp_path):
+    """The template's hook renders k8s/ from the YAML files alone, without OmegaConf."""
+    configs = tmp_path / "configs"
+    for group in ("deploy", "nccl"):
+        (configs / group).mkdir(parents=True)
+        for path in (ROOT / "configs" / group).glob("*.yaml"):
+            (configs / group / path.name).write_text(path.read_text())
+    deploy = yaml.safe_load((configs / "deploy" / "default.yaml").read_text())
+    assert k8s.from_files(configs, "auto")  # the shipped values pass
+    deploy["memory_per_gpu"] = "24 Gi"
+    (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump(deploy))
+    with pytest.raises(ValueError, match=r"^deploy.memory_per_gpu=24 Gi: must be a size"):
+        k8s.from_files(configs, "auto")
+
+
+def test_out_outside_the_project_is_refused_unless_forced(tmp_path):
+    """A stray --out (a home directory, a kubelet's manifest folder) gets nothing written."""
+    out = tmp_path / "elsewhere"
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", str(out)]
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        f"error: --out {out}: outside this project ({ROOT}); pass --force to write there\n"
+    )
+    assert not out.exists()
+    forced = subprocess.run([*command, "--force"], cwd=ROOT, capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "runs-pvc.yaml").exists()
+
+
+def deploy_of(compose_train, *overrides: str) -> dict:
+    cfg = OmegaConf.to_object(compose_train(*overrides))  # checked, as k8s.main does
+    return OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
+
+
+def objects(compose_train, *overrides: str) -> dict:
+    deploy = deploy_of(compose_train, *overrides)
+    return {file: yaml.safe_load(text) for file, text in k8s.manifests(deploy, {}).items()}
+
+
+def test_requests_and_limits_scale_with_the_gpus(compose_train):
+    deploy = deploy_of(
+        compose_train, "deploy.gpus_per_node=3", "deploy.cpu_per_gpu=1500m",
+        "deploy.memory_per_gpu=10Gi", "deploy.shm_size=1536Mi", "deploy.ephemeral_storage=20Gi",
+    )  # fmt: skip
+    assert k8s.resources(deploy) == {
+        "requests": {"cpu": "4500m", "memory": "32256Mi", "ephemeral-storage": "20Gi"},
+        "limits": {"nvidia.com/gpu": 3, "memory": "32256Mi"},  # 3 x 10Gi + /dev/shm
+    }
+    assert k8s.resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
+
+
+def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
+    workload = found[f"{flavor}.yaml"]
+    spec = workload["spec"]
+    if flavor == "trainjob":
+        (patch,) = spec["runtimePatches"]
+        (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        return node["template"]["spec"]["template"]["spec"], workload
+    if flavor == "pytorchjob":
+        return spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], workload
+    if flavor == "jobset":
+        spec = spec["replicatedJobs"][0]["template"]["spec"]
+    return spec["template"]["spec"], workload
+
+
+@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+def test_scheduling_values_land_where_each_controller_reads_them(compose_train, flavor):
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    found = objects(
+        compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.queue=team-a",
+        "deploy.tolerations=[{key:nvidia.com/gpu,operator:Exists,effect:NoSchedule}]",
+        "+deploy.node_selector={nvidia.com/gpu.product:H100}", "deploy.active_deadline_s=3600",
+        *([] if flavor == "trainjob" else ["deploy.priority_class=training"]),
+    )  # fmt: skip
+    pod, workload = pod_and_workload(found, flavor)
+    assert workload["metadata"]["labels"][k8s.QUEUE_LABEL] == "team-a"
+    assert pod["tolerations"] == [toleration]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    if flavor == "trainjob":  # no priorityClassName or token setting in Trainer's patches
+        assert pod["serviceAccountName"] == workload["metadata"]["name"]
+        assert found["serviceaccount.yaml"]["automountServiceAccountToken"] is False
+        assert workload["spec"]["activeDeadlineSeconds"] == 3600
+        return
+    assert pod["priorityClassName"] == "training"
+    assert pod["automountServiceAccountToken"] is False
+    deadline = {
+        "job": lambda w: w["spec"]["activeDeadlineSeconds"],
+        "jobset": lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["activeDeadlineSeconds"],
+        "pytorchjob": lambda w: w["spec"]["runPolicy"]["activeDeadlineSeconds"],
+    }[flavor]  # fmt: skip
+    assert deadline(workload) == 3600
+
+
+def test_no_scheduling_values_by_default(compose_train):
+    pod, workload = pod_and_workload(objects(compose_train, "deploy.flavor=job"), "job")
+    assert not {"tolerations", "nodeSelector", "priorityClassName"} & pod.keys()
+    assert k8s.QUEUE_LABEL not in workload["metadata"]["labels"]
+    assert "activeDeadlineSeconds" not in workload["spec"]
+    assert workload["spec"]["ttlSecondsAfterFinished"] == 604800
+
+
+def test_the_claim_is_named_by_its_access_mode(compose_train):
+    """A claim's spec is immutable: 1 node and several get different claims, so re-applying
+    after changing deploy.nodes does not fail."""
+    one, two = (objects(compose_train, f"deploy.nodes={n}")["runs-pvc.yaml"] for n in (1, 2))
+    assert one["spec"]["accessModes"] == ["ReadWriteOnce"] and one["metadata"]["name"].endswith(
+        "-runs-rwo"
+    )
+    assert two["spec"]["accessModes"] == ["ReadWriteMany"] and two["metadata"]["name"].endswith(
+        "-runs-rwx"
+    )
+
+
+def test_a_trainjob_sets_none_of_the_env_trainer_reserves(compose_train):
+    """Trainer's webhook refuses a TrainJob whose trainer env holds PET_NNODES, PET_NPROC_PER_NODE,
+    PET_NODE_RANK, PET_MASTER_ADDR or PET_MASTER_PORT (constants.TorchRunReservedEnvNames)."""
+    trainer = objects(compose_train, "deploy.flavor=trainjob")["trainjob.yaml"]["spec"]["trainer"]
+    assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]
+    assert trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
