@@ -20,7 +20,7 @@ demo: $(BIN)/.installed
 	rm -rf $(DEMO)
 	$(BIN)/python new-project --no-input --output-dir $(DEMO)
 	$(BIN)/python -m pip install --quiet --no-build-isolation $(DEMO)/ddp-project
-	cd $(DEMO) && ../../$(BIN)/torchrun --standalone --nproc-per-node 2 -m ddp_project.train
+	cd $(DEMO) && ../../$(BIN)/ddp-project train --nproc-per-node 2
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest

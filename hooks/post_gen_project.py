@@ -23,7 +23,7 @@ print(
 Created {ANSWERS["project"]}/. Next:
   cd {ANSWERS["project"]}
   python -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]'
-  torchrun --standalone --nproc-per-node 2 -m {ANSWERS["package"]}.train
+  {ANSWERS["project"]} train --nproc-per-node 2     # checks the config, then torchrun: 2 GPUs, or 2 CPU processes
   pytest
   python -m {ANSWERS["package"]}.k8s --check     # k8s/ matches configs/ (after edits: drop --check)
 """

@@ -14,6 +14,8 @@ import unicodedata
 import cookiecutter
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+# The project names the Job's Service and TrainJob too: those must start with a letter (RFC 1035).
+RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 PACKAGE = re.compile(r"[a-z_][a-z0-9_]*")
 PYTHON_VERSION = re.compile(r"3\.(1[1-3])")
 # An OCI image reference: [registry[:port]/]path[:tag][@sha256:digest], without spaces or quotes.
@@ -50,22 +52,23 @@ PROJECT_MAX = 47
 MIN_COOKIECUTTER = (2, 7)
 
 
-def dns_label_problem(key: str, value: str, limit: int) -> str | None:
-    if len(value) > limit or not DNS_LABEL.fullmatch(value):
+def check_project(key: str, value: str) -> str | None:
+    if len(value) > PROJECT_MAX or not RFC1035_LABEL.fullmatch(value):
         return (
-            f"{key} {value!r} is not a Kubernetes DNS-1123 label of at most {limit} characters: use "
-            "lowercase letters, digits and '-', starting and ending with a letter or digit "
-            "(e.g. ddp-project)"
+            f"{key} {value!r} is not a Kubernetes name of at most {PROJECT_MAX} characters: use "
+            "lowercase letters, digits and '-', starting with a letter and ending with a letter or "
+            "digit (e.g. ddp-project)"
         )
     return None
 
 
-def check_project(key: str, value: str) -> str | None:
-    return dns_label_problem(key, value, PROJECT_MAX)
-
-
 def check_namespace(key: str, value: str) -> str | None:
-    return dns_label_problem(key, value, 63)
+    if len(value) > 63 or not DNS_LABEL.fullmatch(value):
+        return (
+            f"{key} {value!r} is not a Kubernetes DNS-1123 label of at most 63 characters: use "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit"
+        )
+    return None
 
 
 def check_package(key: str, value: str, derived: bool = False) -> str | None:

@@ -202,7 +202,7 @@ def assert_pods_are_what_the_launch_line_expects(cluster, pods: list[dict], name
         (runs,) = [v for v in spec["volumes"] if v["name"] == "runs"]
         assert runs["persistentVolumeClaim"]["claimName"] == f"{name}-runs-{'rwo' if nodes == 1 else 'rwx'}"
         if nodes == 1:
-            assert "subdomain" not in spec and container["command"] == ["torchrun"]
+            assert "subdomain" not in spec and container["command"] == [name, "train"]
             continue
         # The launch line: pod 0 hosts the rendezvous, the others reach it at RDZV_HOST.
         assert pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(index)

@@ -20,17 +20,18 @@ import pre_gen_project  # noqa: E402  (plain functions: the hook file imports un
 NEW_PROJECT = TEMPLATE / "new-project"
 
 REFUSED = [
-    ("project", "My Project", "project 'My Project' is not a Kubernetes DNS-1123 label"),
-    ("project", "a" * 48, "is not a Kubernetes DNS-1123 label of at most 47 characters"),
-    ("project", "-leading-dash", "is not a Kubernetes DNS-1123 label"),
-    ("project", "trailing-", "is not a Kubernetes DNS-1123 label"),
-    ("project", "../escape", "project '../escape' is not a Kubernetes DNS-1123 label"),
-    ("project", 'x"; rm -rf ~; "', "is not a Kubernetes DNS-1123 label"),
-    ("project", "$(touch pwned)", "is not a Kubernetes DNS-1123 label"),
-    ("project", "a`id`b", "is not a Kubernetes DNS-1123 label"),
-    ("project", "dots.not.allowed", "is not a Kubernetes DNS-1123 label"),
-    ("project", "ünïcode", "is not a Kubernetes DNS-1123 label"),
-    ("project", "1000", "package '1000' (made from project; pass package=... to choose it) is not"),
+    ("project", "My Project", "project 'My Project' is not a Kubernetes name"),
+    ("project", "a" * 48, "is not a Kubernetes name of at most 47 characters"),
+    ("project", "-leading-dash", "is not a Kubernetes name"),
+    ("project", "trailing-", "is not a Kubernetes name"),
+    ("project", "../escape", "project '../escape' is not a Kubernetes name"),
+    ("project", 'x"; rm -rf ~; "', "is not a Kubernetes name"),
+    ("project", "$(touch pwned)", "is not a Kubernetes name"),
+    ("project", "a`id`b", "is not a Kubernetes name"),
+    ("project", "dots.not.allowed", "is not a Kubernetes name"),
+    ("project", "ünïcode", "is not a Kubernetes name"),
+    ("project", "1000", "project '1000' is not a Kubernetes name of at most 47 characters"),
+    ("project", "0x1f", "project '0x1f' is not a Kubernetes name"),
     ("package", "class", "package 'class' is a Python keyword"),
     ("package", "match", "package 'match' is a Python keyword"),
     ("package", "1st_model", "package '1st_model' is not a Python package name"),
@@ -122,8 +123,8 @@ def test_derived_answers_do_not_repeat_the_first_problem(tmp_path):
     """A bad project name also spoils the derived package and image: report only the cause."""
     done = no_traceback_run(tmp_path, "project=Bad Name")
     assert done.stderr == (
-        "error: project 'Bad Name' is not a Kubernetes DNS-1123 label of at most 47 characters: use "
-        "lowercase letters, digits and '-', starting and ending with a letter or digit (e.g. "
+        "error: project 'Bad Name' is not a Kubernetes name of at most 47 characters: use lowercase "
+        "letters, digits and '-', starting with a letter and ending with a letter or digit (e.g. "
         "ddp-project)\n"
     )
 
@@ -166,23 +167,21 @@ def test_free_text_reads_back_exactly_as_typed(tmp_path, text):
     assert back["description"] == back["author"] == back["readme"] == text
 
 
-NAMES = [  # DNS labels that YAML 1.1 or 1.2 would read as a bool, a number, null or a date
-    "yes", "no", "on", "off", "null", "true", "1e3", "0x1f", "012", "inf", "nan", "2001-12-14",
-    "a" * 47,
-]  # fmt: skip
+# Names that YAML 1.1 or 1.2 would read as a bool, a number, null or a date. A project name
+# starts with a letter (the Service and the TrainJob it names need that); a namespace may not.
+NAMES = ["yes", "no", "on", "off", "null", "true", "inf", "nan", "e3", "a" * 47]
+NAMESPACES = ["yes", "null", "1e3", "0x1f", "012", "2001-12-14", "0o17", "a" * 63]
 
 
-@pytest.mark.parametrize("name", NAMES, ids=[n[:12] for n in NAMES])
-def test_names_that_look_like_yaml_values_stay_text(tmp_path, name):
-    project = render(tmp_path, project=name, package=f"p_{name}".replace("-", "_"), namespace=name[:63])
+@pytest.mark.parametrize(("name", "namespace"), list(zip(NAMES, NAMESPACES * 2, strict=False)), ids=NAMES)
+def test_names_that_look_like_yaml_values_stay_text(tmp_path, name, namespace):
+    project = render(tmp_path, project=name, package=f"p_{name}", namespace=namespace)
     back = read_back(project)
+    image = f"ghcr.io/your-org/{name}:0.1.0"
     assert back["name"] == name
     for deploy in (back["omegaconf"], back["pyyaml"]):
-        assert (deploy["name"], deploy["namespace"]) == (name, name)
-        assert deploy["image"] == f"ghcr.io/your-org/{name}:latest"
-    assert (back["job"]["name"], back["job"]["namespace"], back["job_image"]) == (
-        name, name, f"ghcr.io/your-org/{name}:latest",
-    )  # fmt: skip
+        assert (deploy["name"], deploy["namespace"], deploy["image"]) == (name, namespace, image)
+    assert (back["job"]["name"], back["job"]["namespace"], back["job_image"]) == (name, namespace, image)
 
 
 @pytest.mark.parametrize(

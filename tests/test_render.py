@@ -241,10 +241,9 @@ def test_pytorchjob_passes_its_crd_schema_and_the_operators_rules(rendered):
         "backoffLimit": 3 * rendered.nodes, "cleanPodPolicy": "Running", "ttlSecondsAfterFinished": 604800,
     }  # fmt: skip
     args = container["args"]
-    # the config check first, in the container: an init container that fails is retried forever
-    # under OnFailure, and never counts toward backoffLimit
-    check_then_launch = f'python -m {rendered.package}.check && exec torchrun "$@"'
-    assert container["command"] == ["/bin/sh", "-c", check_then_launch, "torchrun"] and "initContainers" not in pod
+    # the launcher checks first, in the container: an init container that fails is retried
+    # forever under OnFailure, and never counts toward backoffLimit
+    assert container["command"] == [rendered.path.name, "train"] and "initContainers" not in pod
     assert args[:2] == ["--nproc-per-node", str(rendered.gpus)]
     assert not {"--nnodes", "--standalone", "--rdzv-endpoint"} & set(args)  # the operator's to set
 
@@ -293,7 +292,7 @@ def test_pod_shape(rendered):
         assert env["PET_NPROC_PER_NODE"] == str(rendered.gpus) and "--nproc-per-node" not in args
     else:
         assert args[args.index("--nproc-per-node") + 1] == str(rendered.gpus)
-    assert args[args.index("-m") + 1] == f"{rendered.package}.train"
+    assert "-m" not in args and args[-1] == f"hydra.run.dir=/workspace/runs/{rendered.path.name}"  # the launcher's
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # restarted workers need a fresh store
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
@@ -308,13 +307,22 @@ def test_pod_shape(rendered):
     assert pod["restartPolicy"] == "Never"
     assert args[args.index("--max-restarts") + 1] == "3"
     if rendered.nodes == 1:
-        assert container["command"] == ["torchrun"] and "--standalone" in args
+        assert container["command"] == [rendered.path.name, "train"] and "--standalone" in args
         assert "completionMode" not in job["spec"]
 
 
 def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
     if rendered.flavor in ("pytorchjob", "trainjob"):
-        return  # the operator or Trainer names the pods and wires up the rendezvous
+        # The operator or Trainer names the pods and wires up the rendezvous: no Service or
+        # subdomain of ours, and the node count where it reads it.
+        assert not (rendered.path / "k8s" / "service.yaml").exists()
+        assert "subdomain" not in pod_template_of(rendered)["spec"]
+        spec = manifest_of(rendered)["spec"]
+        if rendered.flavor == "pytorchjob":
+            assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == rendered.nodes
+        else:
+            assert spec["trainer"]["numNodes"] == rendered.nodes
+        return
     job = job_of(rendered)
     name = job["metadata"]["name"]
     pod = job["spec"]["template"]["spec"]
@@ -340,7 +348,7 @@ def test_several_nodes_get_an_indexed_job_and_a_headless_service(rendered):
     index = env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     launch = container["command"][2]
-    assert container["command"][:2] == ["/bin/sh", "-c"] and "exec torchrun" in launch
+    assert container["command"][:2] == ["/bin/sh", "-c"] and f"exec {rendered.path.name} train" in launch
     assert "0) host=localhost" in launch  # pod 0's torchrun hosts the c10d rendezvous
     assert '--rdzv-backend c10d --rdzv-endpoint "$host:$RDZV_PORT"' in launch
     assert env["RDZV_PORT"]["value"] == "29500" and args[args.index("--rdzv-id") + 1] == rendered.path.name
@@ -360,10 +368,9 @@ def test_job_survives_preemption_and_fails_fast_on_config_errors(rendered):
         rules = job_of(rendered)["spec"]["podFailurePolicy"]["rules"]
         assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
         (fail,) = [r for r in rules if r["action"] == "FailJob"]
-        assert fail["onExitCodes"] == {"containerName": "check-config", "operator": "In", "values": [2]}
-    if rendered.flavor in ("job", "jobset"):  # else the trainer container checks first
-        (check,) = pod["initContainers"]
-        assert check["name"] == "check-config" and check["command"] == ["python", "-m", f"{rendered.package}.check"]
+        # the launcher's exits for a config error and a divergence: no retry fixes them
+        assert fail["onExitCodes"] == {"containerName": "trainer", "operator": "In", "values": [2, 4]}
+    assert "initContainers" not in pod  # the launcher checks in the trainer container
     assert pod["terminationGracePeriodSeconds"] >= 60  # torchrun's own 30 s for workers to checkpoint, and more
     run_dir = next(a for a in container["args"] if a.startswith("hydra.run.dir="))
     (runs,) = [m for m in container["volumeMounts"] if run_dir.split("=", 1)[1].startswith(m["mountPath"])]
@@ -449,7 +456,7 @@ def test_trainjob_follows_trainers_rules(rendered):
     assert [c["name"] for c in node["template"]["spec"]["template"]["spec"]["containers"]] == ["node"]
     launch = trainer["command"][2]
     assert trainer["command"][:2] == ["/bin/sh", "-c"]
-    assert launch.startswith(f"python -m {rendered.package}.check || exit; ")  # exit 2 stays exit 2
+    assert f"exec {rendered.path.name} train --rdzv-backend" in launch  # the launcher checks first
     assert 'case "$PET_NODE_RANK" in 0) host=localhost ;; *) host="$PET_MASTER_ADDR" ;; esac;' in launch
     assert '--rdzv-backend c10d --rdzv-endpoint "$host:$PET_MASTER_PORT" --local-addr "$POD_IP"' in launch
     args = trainer["args"]
@@ -477,15 +484,15 @@ def test_dockerfile_passes_hadolint_and_runs_torchrun_as_non_root(rendered):
     assert re.search(r"^FROM docker\.io/pytorch/pytorch:2\.13\.0-cuda13\.0-cudnn9-runtime$", dockerfile, re.M)
     assert re.search(r"^# .*FROM <image>@sha256:<digest>$", dockerfile, re.M)  # pinning, in one line
     assert re.search(r"^USER 10001:10001$", dockerfile, re.M)
-    assert 'ENTRYPOINT ["torchrun"]' in dockerfile
-    assert f'"--nproc-per-node", "{rendered.gpus}"' in dockerfile
+    assert f'ENTRYPOINT ["{rendered.path.name}", "train"]' in dockerfile  # the launcher, as PID 1
+    assert f'CMD ["--standalone", "--nproc-per-node", "{rendered.gpus}"]' in dockerfile
     assert "pip install --no-cache-dir --no-deps ." in dockerfile  # no torch download
 
 
 def test_cli_renders_and_prints_next_steps(tmp_path):
     done = cookiecutter_cli(tmp_path, "project=cli-demo", "nccl_profile=socket", "num_gpus=4")
     assert done.returncode == 0, done.stderr
-    assert "torchrun --standalone --nproc-per-node 2 -m cli_demo.train" in done.stdout
+    assert "cli-demo train --nproc-per-node 2" in done.stdout
     job = yaml.safe_load((tmp_path / "cli-demo" / "k8s" / "job.yaml").read_text())
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
 

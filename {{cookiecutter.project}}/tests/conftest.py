@@ -1,10 +1,12 @@
 """Helpers that run the project the way users do: compose the real config, launch torchrun."""
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +45,20 @@ def launch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedP
     return subprocess.run(
         launch_command(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+@functools.cache
+def launcher_bin() -> Path:
+    """A folder holding `<project>`, the console script that `pip install` makes, for launch
+    lines (the manifests') run from this test environment, where the project may be on
+    PYTHONPATH only."""
+    from {{ cookiecutter.package }}.launch import COMMAND
+
+    folder = Path(tempfile.mkdtemp(prefix="launcher-bin-"))
+    script = folder / COMMAND
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {PACKAGE}.launch "$@"\n')
+    script.chmod(0o755)
+    return folder
 
 
 def torchrun(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import yaml
-from conftest import PACKAGE, read_metrics, worker_pids
+from conftest import PACKAGE, launcher_bin, read_metrics, worker_pids
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
@@ -170,7 +170,10 @@ def trainer_env(trainjob: dict, port: int) -> dict[str, str]:
 
 def node_env(container: dict, index: int, host: Host, port: int) -> dict[str, str]:
     """The container's env on node `index`, the downward API's fields filled in."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PATH": f"{launcher_bin()}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     fields = {"status.podIP": host.address}
     for variable in container["env"]:
         if "value" in variable:

@@ -51,13 +51,17 @@ def test_k8s_check_notices_an_edit_and_regenerating_fixes_it(tmp_path):
     assert not (tmp_path / "k8s" / "service.yaml").exists()  # no longer generated: removed
 
 
-def test_job_runs_one_torchrun_over_all_the_pods_gpus():
+def test_job_runs_the_launcher_over_all_the_pods_gpus():
+    from {{ cookiecutter.package }}.launch import COMMAND
+
     container = job_container()
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     args = container["args"]
-    assert container["command"] == ["torchrun"]
+    assert container["command"] == [COMMAND, "train"]
     assert args[args.index("--nproc-per-node") + 1] == str(gpus)
-    assert args[args.index("-m") + 1] == f"{PACKAGE}.train"
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][COMMAND] == (
+        f"{PACKAGE}.launch:main"
+    )
 
 
 def test_every_config_group_ships_in_the_wheel():

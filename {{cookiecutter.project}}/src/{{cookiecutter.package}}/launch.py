@@ -1,9 +1,9 @@
-"""`ddp-project train`: check the config, start torchrun, and end in one line.
+"""`{{ cookiecutter.project }} train`: check the config, start torchrun, and end in one line.
 
-    ddp-project train                                  # every local GPU (2 CPU processes without one)
-    ddp-project train nccl=pcie_safe trainer.max_steps=1000
-    ddp-project train --nproc-per-node 4 experiment=gpt2_small
-    ddp-project train --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29500
+    {{ cookiecutter.project }} train                                  # every local GPU (2 CPU processes without one)
+    {{ cookiecutter.project }} train nccl=pcie_safe trainer.max_steps=1000
+    {{ cookiecutter.project }} train --nproc-per-node 4 experiment=gpt2_small
+    {{ cookiecutter.project }} train --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29500
 
 Options before the first override are torchrun's (`torchrun --help`); without --nproc-per-node
 it runs --standalone on every local GPU. A bad override or an unusable run dir stops here, in one
@@ -32,7 +32,7 @@ from {{ cookiecutter.package }} import check, rundir
 from {{ cookiecutter.package }}.config import exit_with_error
 
 PACKAGE = __package__
-COMMAND = "ddp-project"
+COMMAND = {{ cookiecutter.project | py_str }}
 MEANING = {
     check.EXIT_CONFIG_ERROR: "a config error, printed above",
     3: "a collective failed: the block above says why",
@@ -66,6 +66,18 @@ def split(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], 
         takes_value = options[name].nargs != 0 and "=" not in args[i]
         i += 2 if takes_value else 1
     return args[:i], args[i:]
+
+
+# torchrun options that describe a rendezvous across nodes (or name it): no --standalone then.
+RENDEZVOUS = ("standalone", "nnodes", "rdzv-endpoint", "rdzv-backend", "master-addr", "node-rank")
+
+
+def given(options: list[str], name: str) -> bool:
+    """Whether an option is given on the command line, or in the PET_* variable through which
+    operators (Kubeflow's, Trainer's) pass torchrun its options."""
+    spellings = {f"--{name}", f"--{name.replace('-', '_')}"}
+    on_line = any(option.split("=", 1)[0] in spellings for option in options)
+    return on_line or f"PET_{name.replace('-', '_').upper()}" in os.environ
 
 
 def processes(parsed: argparse.Namespace) -> tuple[int, int]:
@@ -124,15 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"{COMMAND} train: {err}", file=sys.stderr)
         return 2
-    if not any(o.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for o in options):
+    if not given(options, "nproc-per-node"):
         local = torch.cuda.device_count() if torch.cuda.is_available() else 2
-        options = ["--standalone", "--nproc-per-node", str(local), *options]
+        options = ["--nproc-per-node", str(local), *options]
+    if not any(given(options, name) for name in RENDEZVOUS):
+        options = ["--standalone", *options]  # one node, rendezvous on a free local port
     parsed = parser.parse_args([*options, "-m", f"{PACKAGE}.train", *overrides])
     local_size, world_size = processes(parsed)
     os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
     config = check.load_or_exit(overrides)  # as the workers will compose it
     run_dir = explicit_run_dir(overrides)
-    problem = rundir.problem(run_dir, config) if run_dir else None
+    # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
+    # guard decides then.
+    problem = rundir.problem(run_dir, config, busy=world_size == local_size) if run_dir else None
     if problem:
         exit_with_error(f"config error: {problem}")
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker

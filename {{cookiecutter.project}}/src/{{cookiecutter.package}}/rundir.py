@@ -2,7 +2,7 @@
 that can be written. Checked before anything is written there, in one line each.
 
 RunDirGuard runs as a Hydra callback (configs/train.yaml) in every worker, before Hydra creates
-the dir; the launcher (`ddp-project train`) runs the same checks before torchrun starts.
+the dir; the launcher (`{{ cookiecutter.project }} train`) runs the same checks before torchrun starts.
 Global rank 0 holds an exclusive lock on `<run dir>/.lock` for the life of its process: the
 kernel drops it when the process ends, however it ends, so a dead run's lock is taken over.
 """
@@ -160,10 +160,11 @@ def resume_problem(run_dir: Path, config: TrainConfig) -> str | None:
     )
 
 
-def problem(run_dir: Path, config: TrainConfig) -> str | None:
-    """Everything the launcher can tell before torchrun starts."""
+def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:
+    """Everything the launcher can tell before torchrun starts; `busy`: the lock too."""
     try:
-        refuse_if_busy(run_dir)
+        if busy:
+            refuse_if_busy(run_dir)
         return unusable(run_dir) or resume_problem(run_dir, config)
     except RunDirError as err:
         return str(err)

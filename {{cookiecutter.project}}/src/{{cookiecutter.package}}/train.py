@@ -1,6 +1,6 @@
 """Train with DistributedDataParallel: the launch. The loop itself is trainer.py.
 
-    ddp-project train                                           # launch.py: checks, then torchrun on every GPU
+    {{ cookiecutter.project }} train                                           # launch.py: checks, then torchrun on every GPU
     python -m {{ cookiecutter.package }}.train                                     # one process
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train   # 2 GPUs, else 2 CPU processes
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl=pcie_safe trainer.max_steps=1000
