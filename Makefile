@@ -17,6 +17,7 @@ $(BIN)/.installed: requirements-test.txt requirements-checkov.txt
 	touch $@
 
 demo: $(BIN)/.installed
+	@if [ -d $(DEMO) ]; then echo "make demo: removing the previous demo, $(DEMO)/"; fi
 	rm -rf $(DEMO)
 	$(BIN)/python new-project --no-input --output-dir $(DEMO)
 	$(BIN)/python -m pip install --quiet --no-build-isolation $(DEMO)/ddp-project

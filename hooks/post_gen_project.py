@@ -18,13 +18,12 @@ except ValueError as problem:  # a deploy value k8s.py refuses: one line; cookie
     sys.exit(1)
 k8s.write(rendered, Path("k8s"))
 
-print(
-    f"""
-Created {ANSWERS["project"]}/. Next:
-  cd {ANSWERS["project"]}
-  python -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]'
-  {ANSWERS["project"]} train --nproc-per-node 2     # checks the config, then torchrun: 2 GPUs, or 2 CPU processes
-  pytest
-  python -m {ANSWERS["package"]}.k8s --check     # k8s/ matches configs/ (after edits: drop --check)
-"""
-)
+STEPS = [  # the same lines as the quick starts of the project's and the template's READMEs
+    "python3 -m venv .venv && . .venv/bin/activate",
+    "make torch                               # PyTorch's CPU build, or PyPI's where that index is out of reach",
+    "make install                             # the project, editable, with its test tools",
+    f'make train-cpu ARGS="experiment=smoke"   # 2 CPU processes, 20 steps; make train: {ANSWERS["num_gpus"]} GPU(s)',
+    "make test                                # the CPU tests; the GPU ones run where 2 GPUs are visible",
+]
+print(f"\nCreated {ANSWERS['project']}/. Next:\n  cd {ANSWERS['project']}")
+print("".join(f"  {step}\n" for step in STEPS))

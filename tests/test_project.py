@@ -46,7 +46,9 @@ def test_torchrun_trains_from_another_directory(installed_default, tmp_path):
     assert rows[-1]["step"] == 200 and rows[-1]["world_size"] == 2
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
-    assert "NCCL environment (nccl=auto)" in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "NCCL environment" not in log and "TORCH_NCCL" not in log  # over gloo: no NCCL table
+    assert f"ddp-project run {run_dir.name}: world size 2, backend gloo" in log
 
 
 def test_plain_python_runs_a_group_of_one(installed_default, tmp_path):

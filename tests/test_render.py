@@ -17,6 +17,7 @@ import yaml
 from conftest import (
     BIN,
     MATRIX_IDS,
+    TEMPLATE,
     cookiecutter_cli,
     deploy_of,
     job_of,
@@ -42,6 +43,7 @@ EXPECTED_FILES = {
     "configs/__init__.py",
     "configs/train.yaml",
     "configs/data/synthetic.yaml",
+    "data/sample.txt",
     "configs/data/tokens.yaml",
     "configs/deploy/default.yaml",
     "configs/dist/default.yaml",
@@ -49,6 +51,10 @@ EXPECTED_FILES = {
     "configs/experiment/mlp_134m.yaml",
     "configs/experiment/smoke.yaml",
     "configs/local/README.md",
+    "configs/logger/csv.yaml",
+    "configs/logger/mlflow.yaml",
+    "configs/logger/tensorboard.yaml",
+    "configs/logger/wandb.yaml",
     "configs/hydra/job_logging/rank_zero.yaml",
     "configs/model/gpt.yaml",
     "configs/model/mlp.yaml",
@@ -67,9 +73,11 @@ EXPECTED_FILES = {
     "src/{package}/data.py",
     "src/{package}/ddp.py",
     "src/{package}/doctor.py",
+    "src/{package}/evaluate.py",
     "src/{package}/failfast.py",
     "src/{package}/k8s.py",
     "src/{package}/launch.py",
+    "src/{package}/loggers.py",
     "src/{package}/logs.py",
     "src/{package}/metrics.py",
     "src/{package}/model.py",
@@ -85,6 +93,7 @@ EXPECTED_FILES = {
     "tests/test_checkpoint.py",
     "tests/test_config.py",
     "tests/test_doctor.py",
+    "tests/test_evaluate.py",
     "tests/test_failfast.py",
     "tests/test_launch.py",
     "tests/test_multinode.py",
@@ -492,7 +501,8 @@ def test_dockerfile_passes_hadolint_and_runs_torchrun_as_non_root(rendered):
 def test_cli_renders_and_prints_next_steps(tmp_path):
     done = cookiecutter_cli(tmp_path, "project=cli-demo", "nccl_profile=socket", "num_gpus=4")
     assert done.returncode == 0, done.stderr
-    assert "cli-demo train --nproc-per-node 2" in done.stdout
+    assert "Created cli-demo/. Next:\n  cd cli-demo\n" in done.stdout
+    assert "make train: 4 GPU(s)" in done.stdout
     job = yaml.safe_load((tmp_path / "cli-demo" / "k8s" / "job.yaml").read_text())
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
 
@@ -543,13 +553,22 @@ def test_checkov_finds_nothing_beyond_the_reasoned_skips(matrix):
     assert sorted(set(CHECKOV_SKIPS) - {c["check_id"] for c in failed}) == []  # no stale skips
 
 
+# What the targets that need torch and the installed project run first: one line each when not.
+READY = (
+    'python -c "import torch" 2>/dev/null || {{ echo "torch is missing: run make torch (or use the image, '
+    'which has it)" >&2; exit 1; }}\n'
+    'command -v {project} >/dev/null || {{ echo "{project} is not installed here: run make install" >&2; exit 1; }}\n'
+)
 MAKE_TARGETS = {
+    "torch": "python -c \"import torch; print('torch', torch.__version__, 'is installed')\" 2>/dev/null \\\n"
+    "  || python -m pip install --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu \\\n"
+    "  || python -m pip install torch",
     "install": "python -m pip install -e '.[dev]'",
-    "test": "python -m pytest",
-    "train": "{project} train --standalone --nproc-per-node {gpus}",
-    "train-cpu": "{project} train --standalone --nproc-per-node 2 dist.backend=gloo",
-    "doctor": "python -m {package}.doctor",
-    "bench": "python -m {package}.bench",
+    "test": READY + "python -m pytest",
+    "train": READY + "{project} train --standalone --nproc-per-node {gpus}",
+    "train-cpu": READY + "{project} train --standalone --nproc-per-node 2 dist.backend=gloo",
+    "doctor": READY + "python -m {package}.doctor",
+    "bench": READY + "python -m {package}.bench",
     "tensorboard": "tensorboard --logdir outputs",
     "docker-build": "docker build -t ghcr.io/your-org/{project}:0.1.0 .",
     "k8s-render": "python -m {package}.k8s",
@@ -601,3 +620,51 @@ def test_github_workflow_keeps_its_expressions_and_runs_tests_and_a_gloo_run(ren
     assert "make test" in runs
     assert any(run.startswith("make train-cpu") for run in runs)  # 2 processes over gloo
     assert "download.pytorch.org/whl/cpu" in "".join(runs)  # not the multi-GB CUDA build
+
+
+def quick_start(readme: str) -> list[str]:
+    """The first bash block after '## Quick start'."""
+    section = readme.split("## Quick start", 1)[1]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+
+
+def test_one_setup_path_in_the_template_readme_cookiecutters_next_and_the_project_readme(tmp_path):
+    """A newcomer meets the steps three times; they must be the same lines, each pasteable."""
+    done = cookiecutter_cli(tmp_path, "project=my-run", "num_gpus=2")
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.split("Next:\n", 1)[1].splitlines()
+    assert printed[0].strip() == "cd my-run"
+    next_steps = [line.strip() for line in printed[1:] if line.strip()]
+    template_steps = quick_start((TEMPLATE / "README.md").read_text())
+    assert template_steps[2] == "cd ../my-run"
+    project_steps = quick_start((tmp_path / "my-run" / "README.md").read_text())
+    assert next_steps == template_steps[3:] == project_steps
+    assert project_steps[0].startswith("python3 -m venv .venv") and project_steps[1].startswith("make torch")
+
+
+PATH_NAMED = re.compile(r"(?<![\w./<{-])((?:\.github|configs|src|tests|k8s|scripts|benchmarks|hooks)/[\w.{}/-]*[\w}])")
+# Named in the docs on purpose, and absent from a default render: machine-local or per flavor.
+MAY_BE_ABSENT = {"configs/local/default.yaml", "k8s/service.yaml", "k8s/jobset.yaml", "k8s/pytorchjob.yaml",
+                 "k8s/trainjob.yaml", "k8s/serviceaccount.yaml"}  # fmt: skip
+
+
+def named_paths(text: str) -> set[str]:
+    return {m.rstrip(".") for m in PATH_NAMED.findall(text) if "<" not in m and "*" not in m}
+
+
+def test_every_path_the_docs_and_comments_name_exists(default_project):
+    """READMEs, the Makefile, the Dockerfile, config comments and docstrings name files: each one
+    is in the render (or the template, for the template's README)."""
+    kinds = {".md", ".py", ".yaml", ".toml", ""}  # "": Makefile, Dockerfile
+    sources = [p for p in default_project.rglob("*") if p.is_file() and p.suffix in kinds]
+    missing = set()
+    for source in sources:
+        if "k8s" in source.parts[len(default_project.parts) :][:1]:
+            continue  # generated manifests name no files
+        for path in named_paths(source.read_text(errors="replace")):
+            if path not in MAY_BE_ABSENT and not (default_project / path).exists():
+                missing.add(f"{source.relative_to(default_project)}: {path}")
+    for path in named_paths((TEMPLATE / "README.md").read_text().replace("{{cookiecutter.package}}", "ddp_project")):
+        if not (TEMPLATE / path).exists() and not (default_project / path).exists() and path not in MAY_BE_ABSENT:
+            missing.add(f"README.md (template): {path}")
+    assert sorted(missing) == []

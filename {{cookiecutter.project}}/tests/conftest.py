@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_module
 from {{ cookiecutter.package }}.config import register_configs
 
 PACKAGE = "{{ cookiecutter.package }}"
+RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
 
 
 @pytest.fixture

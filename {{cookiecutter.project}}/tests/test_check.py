@@ -147,7 +147,8 @@ def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     problem = config_problem(["data.num_samples=200"])
     assert problem == (
-        "data.batch_size=128: each of 2 process(es) gets 100 of data.num_samples=200; use a batch size of at most 100"
+        "data.batch_size=128: each of 2 process(es) gets 100 of the 200 training samples of data.num_samples=200; "
+        "use a batch size of at most 100"
     )
 
 

@@ -140,3 +140,22 @@ def zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_the_summary_blames_the_cause_not_its_consequences():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failure(rank: int, code: int, at: int) -> ProcessFailure:
+        made = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+        made.timestamp = at
+        return made
+
+    # rank 0 saw its peer's connection close first (exit 3); rank 1 was killed
+    killed = ChildFailedError(
+        "train", {0: failure(0, 3, at=1), 1: failure(1, -signal.SIGKILL, at=2)}
+    )
+    assert launcher.summary(killed) == ("rank 1 (pid 101) was killed by SIGKILL", 137)
+    diverged = ChildFailedError(
+        "train", {0: failure(0, -signal.SIGTERM, at=1), 1: failure(1, 4, at=2)}
+    )
+    assert launcher.summary(diverged)[1] == 4

@@ -1,6 +1,7 @@
 """What rank 0 records in the run dir, and how it shows progress: on CPU, 2 processes over gloo."""
 
 import csv
+import json
 import os
 import pty
 import re
@@ -13,7 +14,7 @@ from conftest import PACKAGE, read_metrics, torchrun, train_command
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from {{ cookiecutter.package }} import metrics
+from {{ cookiecutter.package }} import loggers, metrics
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default
@@ -55,7 +56,7 @@ def test_rows_carry_learning_rate_throughput_gradient_norm_and_communication_sha
 def test_tensorboard_events_hold_every_scalar(run):
     events = EventAccumulator(str(run[0] / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(metrics.TENSORBOARD_TAGS.values())
+    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values())
     losses = events.Scalars("train/loss")
     assert [event.step for event in losses] == [20, 40, 60]
     assert losses[-1].value == pytest.approx(read_metrics(run[0])[-1]["loss"])
@@ -73,7 +74,9 @@ def test_the_resolved_config_is_printed_and_saved(run, compose_train):
     cfg = OmegaConf.to_object(compose_train(*RUN, *MEASURED))
     assert saved == OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert saved["trainer"]["max_steps"] == 60 and saved["dist"]["time_comm"] is True
-    assert "config (also in" in output and "max_steps: 60" in output
+    overrides = " ".join([*RUN, *MEASURED, f"hydra.run.dir={run_dir}"])
+    assert f"config: {run_dir / 'config.yaml'}; overrides: {overrides}" in output
+    assert "max_steps: 60" not in output  # the file holds the config, the log says where
 
 
 def test_without_a_terminal_progress_is_log_lines(run):
@@ -150,7 +153,7 @@ def test_by_default_communication_and_gradient_norm_are_not_measured(tmp_path):
     assert len(progress) == 3 and progress[-1].endswith(" ms/step")  # nothing after the step time
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(metrics.TENSORBOARD_TAGS.values()) - {
+    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - {
         "perf/comm_share",
         "train/grad_norm",
     }
@@ -174,3 +177,56 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == [20, 40, 60]
+
+
+def test_logger_csv_writes_no_event_files(tmp_path):
+    done = torchrun(tmp_path, *RUN, "logger=csv", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [20, 40, 60]
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+# Installed as sitecustomize in the workers: notes what the W&B run is given, then logs it for real.
+RECORD_WANDB = """
+import json, os
+import wandb.sdk.wandb_run as wandb_run
+
+_log = wandb_run.Run.log
+
+def _recording_log(self, data, step=None, **kwargs):
+    with open(os.environ["WANDB_RECORD"], "a") as out:
+        out.write(json.dumps({"step": step, "data": data}) + "\\n")
+    return _log(self, data, step=step, **kwargs)
+
+wandb_run.Run.log = _recording_log
+"""
+
+
+def test_logger_wandb_offline_gets_every_row(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORD_WANDB)
+    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WANDB_RECORD": str(tmp_path / "calls.jsonl"),
+           "WANDB_SILENT": "true"}  # fmt: skip
+    done = torchrun(tmp_path, *RUN, "logger=wandb", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
+    assert [call["step"] for call in calls] == [row["step"] for row in rows] == [20, 40, 60]
+    assert [call["data"]["train/loss"] for call in calls] == [row["loss"] for row in rows]
+    (offline,) = (tmp_path / "run" / "wandb").glob("offline-run-*")  # written for `wandb sync`
+    assert (offline / "run-run.wandb").stat().st_size > 0
+
+
+def test_logger_mlflow_file_store_holds_every_row(tmp_path, monkeypatch):
+    import mlflow
+
+    done = torchrun(tmp_path, *RUN, "logger=mlflow", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.tracking.MlflowClient((tmp_path / "run" / "mlruns").as_uri())
+    run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+    history = client.get_metric_history(run_id, "train/loss")
+    rows = read_metrics(tmp_path / "run")
+    assert [(m.step, m.value) for m in history] == [(row["step"], row["loss"]) for row in rows]
+    assert client.get_run(run_id).data.params["trainer.max_steps"] == "60"

@@ -35,20 +35,60 @@ def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
     assert k8s.differences(k8s.manifests(deploy, k8s.nccl_env(profile)), ROOT / "k8s") == []
 
 
-def test_k8s_check_notices_an_edit_and_regenerating_fixes_it(tmp_path):
+def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp_path):
+    """`python -m <pkg>.k8s KEY=VALUE` writes the override where the next render (and training)
+    reads it, keeping the line's comment; --check prints a unified diff and the command, or one
+    line when k8s/ matches."""
     import shutil
     import subprocess
     import sys
 
-    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
-    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--force", "--out", str(tmp_path / "k8s")]
-    stale = subprocess.run([*command, "--check", "deploy.nodes=2"], capture_output=True, text=True)
-    assert stale.returncode == 1
-    assert "service.yaml: missing" in stale.stderr and "regenerate:" in stale.stderr
-    assert subprocess.run([*command, "deploy.nodes=2"], capture_output=True).returncode == 0
-    assert subprocess.run([*command, "--check", "deploy.nodes=2"]).returncode == 0
-    assert subprocess.run([*command, "deploy.nodes=1"], capture_output=True).returncode == 0
-    assert not (tmp_path / "k8s" / "service.yaml").exists()  # no longer generated: removed
+    project = tmp_path / "project"
+    shutil.copytree(
+        ROOT, project, ignore=shutil.ignore_patterns(".venv", "outputs", "*.egg-info", "build")
+    )
+    configs = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
+
+    def k8s(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s", *args], cwd=project,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    done = k8s("deploy.nodes=2", "deploy.image=ghcr.io/acme/x:2.0", "nccl=pcie_safe")
+    assert done.returncode == 0, done.stderr
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    assert f"wrote deploy.nodes=2 -> {deploy_file}" in done.stdout
+    deploy = yaml.safe_load(deploy_file.read_text())
+    assert (deploy["nodes"], deploy["image"]) == (2, "ghcr.io/acme/x:2.0")
+    assert any(
+        line.startswith("nodes: 2 ") and "# pods, one per node" in line
+        for line in deploy_file.read_text().splitlines()
+    )
+    assert '  - nccl: "pcie_safe"' in (project / "configs" / "train.yaml").read_text()
+    assert (project / "k8s" / "service.yaml").exists()  # rendered with them
+
+    matches = k8s("--check")  # no overrides: what configs/ says now
+    assert (matches.returncode, matches.stdout) == (
+        0,
+        "k8s/ matches configs/ (job.yaml, runs-pvc.yaml, service.yaml)\n",
+    )
+
+    job = project / "k8s" / "job.yaml"
+    job.write_text(job.read_text().replace("backoffLimit: 6", "backoffLimit: 60"))
+    differs = k8s("--check")
+    assert differs.returncode == 1
+    assert "--- k8s/job.yaml" in differs.stdout and "-  backoffLimit: 60" in differs.stdout
+    assert "+  backoffLimit: 6" in differs.stdout
+    assert (
+        differs.stderr
+        == f"k8s/ differs from configs/ (1 file(s)); python -m {PACKAGE}.k8s writes it again\n"
+    )
+    assert k8s().returncode == 0 and k8s("--check").returncode == 0
+
+    before = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
+    for refused in (k8s("trainer.max_steps=3"), k8s("--check", "deploy.nodes=3")):
+        assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert {p: p.read_text() for p in (project / "configs").rglob("*.yaml")} == before
+    assert before != configs  # the first command's overrides stay where it wrote them
 
 
 def test_job_runs_the_launcher_over_all_the_pods_gpus():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import PACKAGE, torchrun, train_command, wait_for_metrics, worker_pid
+from conftest import PACKAGE, RUN_NAME, torchrun, train_command, wait_for_metrics, worker_pid
 
 from {{ cookiecutter.package }} import checkpoint
 
@@ -132,7 +132,7 @@ def test_separate_static_rendezvous_launches_get_separate_run_dirs(tmp_path):
         done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
-    assert len(runs) == 2 and all(name.startswith("launcher-") for name in runs)
+    assert len(runs) == 2 and all(RUN_NAME.fullmatch(name) for name in runs), runs
 
 
 SLOW_SAVE = """

@@ -118,7 +118,9 @@ def test_auto_gives_every_rank_the_same_env_from_one_probe(tmp_path, record_nccl
     assert rank0 == rank1 and rank0["NCCL_IB_DISABLE"] == "1"
     # Written once, by local rank 0:
     assert len(list((tmp_path / "run" / "nccl").glob("probe-*.json"))) == 1
-    assert "node probe:" in (tmp_path / "run" / "train.log").read_text()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "node probe:" not in log and "NCCL environment" not in log  # gloo uses none of it
+    assert "on CPU trainer.precision=bf16 and data.pin_memory=true apply to GPUs only" in log
 
 
 def final_weights(run_dir):
@@ -195,3 +197,33 @@ def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
     losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
     assert losses[0] < math.log(64) and losses[-1] < math.log(NOISE) + 0.25
     assert min(losses) > math.log(NOISE) - 0.05
+
+
+def test_every_launch_mode_names_its_run_dir_the_same_way(tmp_path):
+    """A sortable start time and a short id, agreed by every rank: under the launcher, under
+    torchrun alone, under plain python, and for a -m sweep (numbered runs below it)."""
+    import subprocess
+    import sys
+
+    from conftest import PACKAGE, RUN_NAME, launch
+
+    launches = {
+        "launcher": lambda cwd: launch(cwd, "trainer.max_steps=2"),
+        "torchrun": lambda cwd: torchrun(cwd, "trainer.max_steps=2"),
+        "python": lambda cwd: subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=2"],
+                                             cwd=cwd, capture_output=True, text=True, timeout=240),
+        "sweep": lambda cwd: subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", "-m", "trainer.max_steps=1,2"],
+                                            cwd=cwd, capture_output=True, text=True, timeout=240),
+    }  # fmt: skip
+    for mode, run in launches.items():
+        cwd = tmp_path / mode
+        cwd.mkdir()
+        done = run(cwd)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (run_dir,) = (cwd / "outputs").iterdir()
+        assert RUN_NAME.fullmatch(run_dir.name), (mode, run_dir.name)
+        if mode == "sweep":
+            assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["0", "1"]
+        else:
+            assert read_metrics(run_dir)[-1]["step"] == 2
+            assert f"run {run_dir.name}" in (run_dir / "train.log").read_text()

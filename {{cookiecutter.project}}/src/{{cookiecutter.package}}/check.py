@@ -14,8 +14,10 @@ import dataclasses
 import os
 import re
 import sys
+from contextlib import AbstractContextManager
+from pathlib import Path
 
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.errors import HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -61,18 +63,25 @@ def one_line(err: Exception) -> str:
     return " ".join(text.split())
 
 
-def load_config(overrides: list[str]) -> TrainConfig:
+def configs_at(folder: Path | None) -> AbstractContextManager:
+    """Hydra reading a configs/ folder (a project's source), or the installed package's."""
+    if folder is None:
+        return initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3")
+    return initialize_config_dir(config_dir=str(folder.resolve()), version_base="1.3")
+
+
+def load_config(overrides: list[str], folder: Path | None = None) -> TrainConfig:
     """The config that train composes with `overrides`, checked; raises on a bad one."""
     register_configs()
-    with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
+    with configs_at(folder):
         cfg = compose(config_name="train", overrides=overrides)
     return to_train_config(cfg)
 
 
-def choice(group: str, overrides: list[str]) -> str:
+def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
     """The option of a config group that train composes with `overrides`, e.g. nccl -> auto."""
     register_configs()
-    with initialize_config_module(config_module=f"{__package__}.configs", version_base="1.3"):
+    with configs_at(folder):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     return cfg.hydra.runtime.choices[group]
 
@@ -107,10 +116,10 @@ class ConfigCheck(Callback):
     on_job_start = on_run_start  # each job of a sweep, with its own overrides
 
 
-def load_or_exit(overrides: list[str]) -> TrainConfig:
+def load_or_exit(overrides: list[str], folder: Path | None = None) -> TrainConfig:
     """The checked config, or one `config error:` line and exit 2 (config.exit_with_error)."""
     try:
-        return load_config(overrides)
+        return load_config(overrides, folder)
     except CONFIG_ERRORS as err:
         exit_with_error(f"config error: {describe(err)}")
 

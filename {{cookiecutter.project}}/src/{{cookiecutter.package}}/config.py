@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Any, Dict, List, NoReturn, Optional
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from {{ cookiecutter.package }} import k8s, nccl
 from {{ cookiecutter.package }}.world import World
@@ -126,11 +128,72 @@ class TokensConfig(DataConfig):
 
     seq_len: int = MISSING
     vocab_size: int = MISSING
+    path: Optional[str] = MISSING
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
         require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
+        if self.path is not None:
+            require(
+                Path(self.path).is_file(), "data.path", self.path,
+                f"no such file here ({Path.cwd()}); make one with python -m {__package__}.data TEXT OUT",
+            )  # fmt: skip
+            sequences = file_sequences(self)
+            require(
+                sequences >= 2, "data.path", self.path,
+                f"holds {sequences} sequence(s) of data.seq_len={self.seq_len} tokens; need at least 2",
+            )  # fmt: skip
+
+
+HELD_OUT = 10  # one part in this many is held out for evaluation
+
+
+def file_sequences(data: TokensConfig) -> int:
+    """How many sequences of seq_len + 1 tokens (2 bytes each) the token file holds."""
+    return (Path(data.path).stat().st_size // 2 - 1) // data.seq_len
+
+
+def training_samples(data: DataConfig) -> tuple[int, str]:
+    """Samples training draws from, and the key that says how many."""
+    if isinstance(data, TokensConfig) and data.path is not None:
+        sequences = file_sequences(data)
+        return sequences - max(1, sequences // HELD_OUT), f"data.path={data.path}"
+    return data.num_samples, f"data.num_samples={data.num_samples}"
+
+
+@dataclass
+class TensorBoardConfig:
+    """configs/logger/tensorboard.yaml: event files in <run dir>/tensorboard."""
+
+
+@dataclass
+class CsvLoggerConfig:
+    """configs/logger/csv.yaml: metrics.csv and metrics.jsonl alone."""
+
+
+class WandbMode(Enum):
+    offline = "offline"  # written to <run dir>/wandb; `wandb sync` uploads it later
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """configs/logger/wandb.yaml: Weights & Biases (pip install '.[wandb]')."""
+
+    project: Optional[str] = MISSING
+    entity: Optional[str] = MISSING
+    mode: WandbMode = MISSING
+    tags: List[str] = MISSING
+
+
+@dataclass
+class MlflowLoggerConfig:
+    """configs/logger/mlflow.yaml: MLflow (pip install '.[mlflow]')."""
+
+    tracking_uri: Optional[str] = MISSING
+    experiment: Optional[str] = MISSING
 
 
 class Precision(Enum):
@@ -331,6 +394,7 @@ class DeployConfig:
 class TrainConfig:
     model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
     data: Any = MISSING  # PointsConfig or TokensConfig, likewise
+    logger: Any = MISSING  # TensorBoardConfig, CsvLoggerConfig, WandbConfig or MlflowLoggerConfig
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
     nccl: NcclConfig = MISSING
@@ -357,13 +421,14 @@ def check_devices(config: TrainConfig, world: World) -> None:
 
 def check_data(config: TrainConfig, world: World) -> None:
     """Every process needs at least one full batch of its shard, or it never takes a step."""
-    per_process = config.data.num_samples // world.size
+    samples, source = training_samples(config.data)
+    per_process = samples // world.size
     require(
         per_process >= config.data.batch_size,
         "data.batch_size",
         config.data.batch_size,
-        f"each of {world.size} process(es) gets {per_process} of data.num_samples={config.data.num_samples}; "
-        f"use a batch size of at most {per_process}",
+        f"each of {world.size} process(es) gets {per_process} of the {samples} training samples of "
+        f"{source}; use a batch size of at most {per_process}",
     )
 
 
@@ -408,6 +473,40 @@ def to_train_config(cfg: DictConfig, world: World | None = None) -> TrainConfig:
     return config
 
 
+# Groups whose options have schemas of their own; a saved config names none, its keys tell.
+LOGGER_SCHEMAS = {"tensorboard": TensorBoardConfig, "csv": CsvLoggerConfig, "wandb": WandbConfig,
+                  "mlflow": MlflowLoggerConfig}  # fmt: skip
+OPTION_SCHEMAS = {
+    "model": (MlpConfig, GptConfig),
+    "data": (PointsConfig, TokensConfig),
+    "logger": tuple(LOGGER_SCHEMAS.values()),  # tensorboard and csv have no keys: the first fits
+}
+
+
+def from_saved(saved: dict[str, Any], overrides: list[str]) -> TrainConfig:
+    """A checkpoint's config (the plain dict it holds) typed and checked again, with dotted
+    key=value overrides on top."""
+    parts: dict[str, Any] = {}
+    for group, values in saved.items():
+        options = OPTION_SCHEMAS.get(group)
+        if options is None:
+            parts[group] = values
+            continue
+        keys = set(values)
+        schema = next((s for s in options if {f.name for f in dataclasses.fields(s)} == keys), None)
+        if schema is None:
+            raise ConfigError(
+                f"{group}: the checkpoint's keys ({', '.join(sorted(keys))}) fit no {group} schema"
+            )
+        parts[group] = OmegaConf.merge(OmegaConf.structured(schema), values)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), parts)
+        cfg.merge_with_dotlist(overrides)
+    except OmegaConfBaseException as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    return to_train_config(cfg)
+
+
 def typed(cfg: DictConfig) -> TrainConfig:
     """A config Hydra composed for a run (with its `hydra` node, which is not ours), checked."""
     task = copy.deepcopy(cfg)
@@ -426,21 +525,41 @@ def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
     sys.exit(2)
 
 
-def run_id() -> str:
-    """Resolver: one name per launch, the same in every worker of it. torchrun's run id; under a
-    static rendezvous, where that id is "none", the launcher's pid and start time (the workers'
-    parent); without torchrun, the time."""
-    given = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if given != "none":
-        return given
-    if not World.from_env().launched:
-        return time.strftime("%Y-%m-%d_%H-%M-%S")
-    launcher = os.getppid()
+RUN_NAME_VAR = "DDP_RUN_NAME"  # the launcher names the run for its workers
+
+
+def run_name_for(started: float, ident: str) -> str:
+    """`<local start time>_<6 hex>`: runs sort by when they started."""
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"_{ident[:6]}"
+
+
+def start_time(pid: int) -> float:
+    """When a process started, from /proc (the current time where /proc cannot tell)."""
     try:
-        started = Path(f"/proc/{launcher}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "0"
-    return f"launcher-{launcher}-{started}"
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        stat = Path("/proc/stat").read_text().split()
+        boot = float(stat[stat.index("btime") + 1])
+    except (OSError, IndexError, ValueError):
+        return time.time()
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_name() -> str:
+    """Resolver: one name per launch, the same in every worker of it. The launcher's
+    (RUN_NAME_VAR); under torchrun alone, from torchrun, the workers' parent: its start time and
+    run id; across several nodes, where the start times differ, `run-<rendezvous id>`; without
+    torchrun, this process's start time."""
+    given = os.environ.get(RUN_NAME_VAR)
+    if given:
+        return given
+    world = World.from_env()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if world.size > world.local_size and run_id != "none":
+        return f"run-{run_id}"
+    parent = os.getppid() if world.launched else os.getpid()
+    started = start_time(parent)
+    ident = hashlib.sha1(f"{run_id}-{parent}-{started}".encode()).hexdigest()
+    return run_name_for(started, ident)
 
 
 def rank_zero_only(value: Any) -> Any:
@@ -457,5 +576,7 @@ def register_configs() -> None:
     store.store(group="model", name="gpt_schema", node=GptConfig)
     store.store(group="data", name="points_schema", node=PointsConfig)
     store.store(group="data", name="tokens_schema", node=TokensConfig)
+    for name, schema in LOGGER_SCHEMAS.items():
+        store.store(group="logger", name=f"{name}_schema", node=schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
-    OmegaConf.register_new_resolver("run_id", run_id, replace=True)
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)

@@ -1,53 +1,102 @@
-"""Synthetic data sets, made from the seed (no download), and the batches of each rank's shard.
+"""Data sets, and the batches of each rank's shard.
 
 data=synthetic: points labelled by a fixed random teacher, for model=mlp; data=tokens: token
-sequences for next-token prediction, for model=gpt. A model visibly learns either in a few
-hundred steps.
+sequences for next-token prediction, for model=gpt, made from the seed or read from a token file
+(data.path). A model visibly learns either in a few hundred steps. Each has a held-out split
+that training never sees, for `python -m {{ cookiecutter.package }}.evaluate`.
+
+    python -m {{ cookiecutter.package }}.data data/sample.txt data/sample.bin     # text -> a token file (bytes as tokens)
 """
 
+import argparse
 import itertools
 import signal
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from {{ cookiecutter.package }}.config import DataConfig, PointsConfig, TokensConfig
+from {{ cookiecutter.package }}.config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from {{ cookiecutter.package }}.world import World
 
 NOISE = 4  # data=tokens: the values each next token can take given the one before
+TOKEN_DTYPE = np.uint16  # a token file, as nanoGPT writes them: vocabularies up to 65536
 
 
-def points_dataset(cfg: PointsConfig, seed: int) -> TensorDataset:
-    """Gaussian inputs labelled by a fixed random two-layer teacher: learnable, not trivial."""
+def points_dataset(cfg: PointsConfig, seed: int, held_out: bool) -> TensorDataset:
+    """Gaussian inputs labelled by a fixed random two-layer teacher: learnable, not trivial. The
+    held-out points (one in HELD_OUT) are drawn after the training ones, from the same teacher."""
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(cfg.num_samples, cfg.num_features, generator=gen)
     hidden = torch.randn(cfg.num_features, 4 * cfg.num_classes, generator=gen)
     readout = torch.randn(4 * cfg.num_classes, cfg.num_classes, generator=gen)
+    if held_out:
+        inputs = torch.randn(cfg.num_samples // HELD_OUT, cfg.num_features, generator=gen)
     labels = (torch.tanh(inputs @ hidden) @ readout).argmax(dim=1)
     return TensorDataset(inputs, labels)
 
 
-def tokens_dataset(cfg: TokensConfig, seed: int) -> TensorDataset:
+def tokens_dataset(cfg: TokensConfig, seed: int, held_out: bool) -> TensorDataset:
     """Sequences where each token is a fixed affine function of the one before, plus noise of
     NOISE values: a model that learns the rule reaches a loss of log(NOISE). Inputs are the
-    tokens, labels the same tokens one position on."""
+    tokens, labels the same tokens one position on. The held-out sequences follow the training
+    ones, under the same rule."""
     gen = torch.Generator().manual_seed(seed)
     scale, shift = (int(v) for v in torch.randint(1, cfg.vocab_size, (2,), generator=gen))
-    sequences = torch.empty(cfg.num_samples, cfg.seq_len + 1, dtype=torch.long)
-    sequences[:, 0] = torch.randint(cfg.vocab_size, (cfg.num_samples,), generator=gen)
-    noise = torch.randint(NOISE, (cfg.num_samples, cfg.seq_len), generator=gen)
-    for position in range(cfg.seq_len):
-        sequences[:, position + 1] = (
-            sequences[:, position] * scale + shift + noise[:, position]
-        ) % cfg.vocab_size
+
+    def draw(count: int) -> torch.Tensor:
+        sequences = torch.empty(count, cfg.seq_len + 1, dtype=torch.long)
+        sequences[:, 0] = torch.randint(cfg.vocab_size, (count,), generator=gen)
+        noise = torch.randint(NOISE, (count, cfg.seq_len), generator=gen)
+        for position in range(cfg.seq_len):
+            sequences[:, position + 1] = (
+                sequences[:, position] * scale + shift + noise[:, position]
+            ) % cfg.vocab_size
+        return sequences
+
+    sequences = draw(cfg.num_samples)
+    if held_out:
+        sequences = draw(cfg.num_samples // HELD_OUT)
     return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
 
 
-def build_dataset(cfg: DataConfig, seed: int) -> TensorDataset:
-    """Every rank builds the identical set from the seed; the sampler splits it."""
-    return tokens_dataset(cfg, seed) if isinstance(cfg, TokensConfig) else points_dataset(cfg, seed)
+class TokenFile(Dataset):
+    """A token file (data.path): consecutive sequences of seq_len + 1 tokens, read from disk as
+    they are needed (a memory map). The last one in HELD_OUT is held out."""
+
+    def __init__(self, cfg: TokensConfig, held_out: bool) -> None:
+        self.tokens = np.memmap(cfg.path, dtype=TOKEN_DTYPE, mode="r")
+        self.length = cfg.seq_len
+        count = (len(self.tokens) - 1) // self.length
+        held = max(1, count // HELD_OUT)
+        self.first, self.count = (count - held, held) if held_out else (0, count - held)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once, as the BatchSampler hands it over."""
+        starts = (np.asarray(indices) + self.first) * self.length
+        rows = np.stack([self.tokens[s : s + self.length + 1] for s in starts]).astype(np.int64)
+        batch = torch.from_numpy(rows)
+        return batch[:, :-1], batch[:, 1:]
+
+    def in_memory(self) -> TensorDataset:
+        return TensorDataset(*self[range(self.count)])
+
+
+def build_dataset(cfg: DataConfig, seed: int, held_out: bool = False) -> Dataset:
+    """Every rank builds the identical set from the seed (or reads the same file); the sampler
+    splits it."""
+    if isinstance(cfg, TokensConfig):
+        if cfg.path is not None:
+            return TokenFile(cfg, held_out)
+        return tokens_dataset(cfg, seed, held_out)
+    return points_dataset(cfg, seed, held_out)
 
 
 class ResumableSampler(DistributedSampler):
@@ -96,7 +145,7 @@ class DeviceBatches:
 
 
 def build_loader(
-    dataset: TensorDataset, cfg: DataConfig, seed: int, device: torch.device, world: World
+    dataset: Dataset, cfg: DataConfig, seed: int, device: torch.device, world: World
 ) -> tuple[Iterable[tuple[torch.Tensor, ...]], ResumableSampler]:
     """Batches of this rank's shard. A TensorDataset takes a whole batch of indices at once, so
     each batch is one gather, not batch_size lookups and a stack (the main process keeps up with
@@ -108,7 +157,8 @@ def build_loader(
     )  # fmt: skip
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
     if cfg.on_device:
-        on_device = TensorDataset(*(tensor.to(device) for tensor in dataset.tensors))
+        held = dataset.in_memory() if isinstance(dataset, TokenFile) else dataset
+        on_device = TensorDataset(*(tensor.to(device) for tensor in held.tensors))
         return DeviceBatches(on_device, batches), sampler
     loader = DataLoader(
         dataset,
@@ -121,3 +171,30 @@ def build_loader(
         and device.type == "cuda",  # lets .to(device, non_blocking=True) overlap
     )
     return loader, sampler
+
+
+def prepare(text: Path, out: Path) -> int:
+    """A token file from text: its UTF-8 bytes, one token each (a vocabulary of 256). Swap in a
+    real tokenizer for real work (nanoGPT's prepare scripts use tiktoken's GPT-2 encoding)."""
+    tokens = np.frombuffer(text.read_bytes(), dtype=np.uint8).astype(TOKEN_DTYPE)
+    tokens.tofile(out)
+    return len(tokens)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("text", type=Path, help="a text file")
+    parser.add_argument("out", type=Path, help="the token file to write, e.g. data/sample.bin")
+    args = parser.parse_args()
+    if not args.text.is_file():
+        print(f"error: {args.text}: no such file", file=sys.stderr)
+        return 2
+    count = prepare(args.text, args.out)
+    print(f"wrote {count} tokens (bytes; data.vocab_size >= 256) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

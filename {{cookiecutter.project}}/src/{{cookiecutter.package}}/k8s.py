@@ -2,9 +2,12 @@
 
     python -m {{ cookiecutter.package }}.k8s                                   # rewrite k8s/ from configs/
     python -m {{ cookiecutter.package }}.k8s deploy.nodes=2 nccl=infiniband    # several nodes: Indexed Job + headless Service
-    python -m {{ cookiecutter.package }}.k8s --check                           # exit 1 if k8s/ differs from configs/
+    python -m {{ cookiecutter.package }}.k8s --check                           # exit 1 and a diff if k8s/ differs from configs/
 
-Edit configs/deploy/default.yaml or configs/nccl/, regenerate, then `make k8s-apply`.
+Overrides are written into configs/ before k8s/ is rendered (deploy.* into deploy/default.yaml,
+nccl=<profile> into train.yaml, nccl.<field> into that profile's file), so the next render, the
+check and training all read them: configs/ stays the one source. Edit those files by hand just as
+well, regenerate, then `make k8s-apply`.
 The env block is the composed nccl profile's explicit variables (auto decides the rest at
 start-up); torchrun's arguments come from deploy.nodes and deploy.gpus_per_node.
 
@@ -16,6 +19,8 @@ deploy_errors() is the deploy group's check; config.DeployConfig runs it as well
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import math
 import re
 import sys
@@ -27,12 +32,12 @@ from typing import Any
 
 import yaml
 
-from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }} import PROJECT, nccl
 
 PACKAGE = __package__
 # The launcher (launch.py, the project's console script): it checks the config and the run dir,
 # then runs torchrun; a config error exits 2 and a divergence 4, which fail the job at once.
-COMMAND = {{ cookiecutter.project | py_str }}
+COMMAND = PROJECT
 FAIL_AT_ONCE = [2, 4]
 FLAVORS = ("job", "jobset", "pytorchjob", "trainjob")
 RUNS_MOUNT = "/workspace/runs"
@@ -717,12 +722,99 @@ def differences(rendered: Mapping[str, str], folder: Path) -> list[str]:
     return found + [f"{path}: no longer generated" for path in stale(rendered, folder)]
 
 
+def unified_diff(rendered: Mapping[str, str], folder: Path) -> list[str]:
+    """What rendering would change in `folder`, as `diff -u` shows it."""
+    lines: list[str] = []
+    for file, text in rendered.items():
+        path = folder / file
+        old = path.read_text().splitlines(keepends=True) if path.exists() else []
+        lines += difflib.unified_diff(
+            old, text.splitlines(keepends=True), str(path), f"{path} (configs/)"
+        )
+    for path in stale(rendered, folder):
+        lines += difflib.unified_diff(
+            path.read_text().splitlines(keepends=True), [], str(path), "/dev/null"
+        )
+    return lines
+
+
 def write(rendered: Mapping[str, str], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for path in stale(rendered, folder):
         path.unlink()
     for file, text in rendered.items():
         (folder / file).write_text(text)
+
+
+# ---------------------------------------------------------------- overrides into configs/
+
+OVERRIDE = re.compile(r"(deploy\.[a-z_]+|nccl|nccl\.[a-z_]+)=(.*)")
+
+
+def yaml_value(value: Any) -> str:
+    """A value as one line of YAML that reads back as itself (strings quoted: never a bool)."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return (
+        json.dumps(value)
+        if isinstance(value, (list, dict)) or value is None
+        else str(value).lower()
+        if isinstance(value, bool)
+        else str(value)
+    )
+
+
+def set_line(path: Path, key: str, value: str) -> None:
+    """Replace `key: <value>` in a flat YAML file, keeping the line's comment; append the key
+    (with a comment that says who set it) where the file has none."""
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not re.match(rf"{re.escape(key)}\s*:", line):
+            continue
+        current = yaml.safe_load(line)[key]
+        for mark in re.finditer(r"\s+#", line):  # the comment: the first " #" outside the value
+            if yaml.safe_load(line[: mark.start()]) == {key: current}:
+                comment = line[mark.start() :].rstrip("\n")
+                break
+        else:
+            comment = ""
+        lines[i] = f"{key}: {value}{comment}\n"
+        break
+    else:
+        lines.append(f"{key}: {value}   # set by python -m {PACKAGE}.k8s\n")
+    path.write_text("".join(lines))
+
+
+def persist(overrides: list[str], composed: Mapping[str, Any], configs: Path) -> list[str]:
+    """Write each override into the file the next render reads; returns where, one per override.
+    `composed` holds the checked values ({"deploy": {...}, "nccl": {...}, "profile": name})."""
+    written = []
+    for override in overrides:
+        match = OVERRIDE.fullmatch(override)
+        if not match:
+            raise ValueError(
+                f"{override}: k8s/ is rendered from deploy.*, nccl=<profile> and nccl.<field>; set "
+                "other keys in configs/ (they are training's, not the manifests')"
+            )
+        key = match.group(1)
+        if key == "nccl":
+            path = configs / "train.yaml"
+            text = re.sub(
+                r"(?m)^(  - nccl: )\S+",
+                rf"\g<1>{json.dumps(composed['profile'])}",
+                path.read_text(),
+            )
+            path.write_text(text)
+        else:
+            group, field = key.split(".")
+            path = (
+                configs
+                / group
+                / ("default.yaml" if group == "deploy" else f"{composed['profile']}.yaml")
+            )
+            set_line(path, field, yaml_value(composed[group][field]))
+        written.append(f"{override} -> {path}")
+    return written
 
 
 def project_root(start: Path) -> Path:
@@ -757,18 +849,47 @@ def main() -> int:
     if refused:
         print(f"error: {refused}", file=sys.stderr)
         return 2
-    cfg = check.load_or_exit(args.overrides)  # deploy_errors() included: exit 2 and one line
+    # A project's own configs/ when run in it (the files an override is written to), else the
+    # installed package's.
+    source = project_root(Path.cwd()) / "configs"
+    folder = source if (source / "train.yaml").is_file() else None
+    cfg = check.load_or_exit(args.overrides, folder)  # deploy_errors() included: exit 2, one line
     deploy = OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
     profile = OmegaConf.to_container(OmegaConf.structured(cfg.nccl), enum_to_str=True)
     rendered = manifests(deploy, nccl_env(profile))
+    command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if args.out != Path("k8s") else "")
     if args.check:
+        if args.overrides:
+            print(f"error: --check compares k8s/ with configs/ as they are: run {command} "
+                  f"{' '.join(args.overrides)} to write the overrides first", file=sys.stderr)  # fmt: skip
+            return 2
         found = differences(rendered, args.out)
-        for line in found:
-            print(line, file=sys.stderr)
-        if found:
-            regenerate = " ".join([f"python -m {PACKAGE}.k8s", *args.overrides])
-            print(f"k8s/ is out of date; regenerate: {regenerate}", file=sys.stderr)
-        return 1 if found else 0
+        if not found:
+            print(f"{args.out}/ matches configs/ ({', '.join(rendered)})")
+            return 0
+        sys.stdout.writelines(unified_diff(rendered, args.out))
+        print(
+            f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
+            file=sys.stderr,
+        )
+        return 1
+    if args.overrides:
+        if folder is None:
+            print(f"error: no configs/ here to write the overrides to: run {command} in the project",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        composed = {
+            "deploy": deploy,
+            "nccl": profile,
+            "profile": check.choice("nccl", args.overrides, folder),
+        }
+        try:
+            written = persist(args.overrides, composed, folder)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        for line in written:
+            print(f"wrote {line}")
     write(rendered, args.out)
     print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
     return 0

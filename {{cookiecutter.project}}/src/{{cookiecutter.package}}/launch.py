@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,11 +30,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.run import get_args_parser, run
 
-from {{ cookiecutter.package }} import check, rundir
-from {{ cookiecutter.package }}.config import exit_with_error
+from {{ cookiecutter.package }} import PROJECT, check, rundir
+from {{ cookiecutter.package }}.config import RUN_NAME_VAR, exit_with_error, run_name_for
 
 PACKAGE = __package__
-COMMAND = {{ cookiecutter.project | py_str }}
+COMMAND = PROJECT
 MEANING = {
     check.EXIT_CONFIG_ERROR: "a config error, printed above",
     3: "a collective failed: the block above says why",
@@ -108,9 +110,17 @@ def explicit_run_dir(overrides: list[str]) -> Path | None:
     return None
 
 
+# Exits that follow from another process's failure: a collective that failed because its peer
+# ended (3), and torchrun's own SIGTERM to the survivors.
+CONSEQUENCES = {3, 128 + signal.SIGTERM, -signal.SIGTERM}
+
+
 def summary(err: ChildFailedError) -> tuple[str, int]:
-    """torchrun's failure table as one line, and the exit code to pass on."""
-    rank, failure = err.get_first_failure()
+    """torchrun's failure table as one line, and the exit code to pass on: the process whose
+    failure is a cause rather than a consequence, the earliest of those."""
+    rank, failure = min(
+        err.failures.items(), key=lambda item: (item[1].exitcode in CONSEQUENCES, item[1].timestamp)
+    )
     if failure.exitcode < 0:
         name = failure.signal_name()
         return f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 - failure.exitcode
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
         del os.environ[name]
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
+    if world_size == local_size:  # one node: its launch names the run (several: config.run_name)
+        os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(SaidBelow())
     try:
         run(parsed)

@@ -15,35 +15,34 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package }} import PROJECT, loggers
+
 log = logging.getLogger(__name__)
 
 COLUMNS = [
     "step", "max_steps", "epoch", "loss", "accuracy", "grad_norm", "lr", "samples_per_s",
     "step_time_ms", "comm_share", "world_size",
 ]  # fmt: skip
-TENSORBOARD_TAGS = {
-    "loss": "train/loss",
-    "accuracy": "train/accuracy",  # of the window's last step
-    "grad_norm": "train/grad_norm",  # of the window's last step, with trainer.max_grad_norm set
-    "lr": "train/lr",
-    "samples_per_s": "perf/samples_per_s",
-    "step_time_ms": "perf/step_time_ms",
-    "comm_share": "perf/comm_share",
-}
 
 
 class RunRecord:
     """What rank 0 writes while it trains. Other ranks keep none (`enabled=False`)."""
 
-    def __init__(self, run_dir: Path, max_steps: int, start_step: int, enabled: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        max_steps: int,
+        start_step: int,
+        enabled: bool,
+        logger: Any,
+        config: dict[str, Any],
+    ) -> None:
         self.run_dir, self.enabled = run_dir, enabled
-        self.writer = self.progress = None
+        self.logger = self.progress = None
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
+        self.logger = loggers.build(logger, run_dir, start_step, config)
         # A resumed run starts again after its checkpoint: forget what was logged past it.
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
         kept = [row for row in read_raw_rows(run_dir) if float(row["step"]) <= start_step]
         self.csv_file = (run_dir / "metrics.csv").open("w", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=COLUMNS)
@@ -85,10 +84,7 @@ class RunRecord:
             out.write(json.dumps(row) + "\n")
         self.csv.writerow(row)
         self.csv_file.flush()
-        for key, tag in TENSORBOARD_TAGS.items():
-            if row[key] is not None:  # comm_share and grad_norm when not measured
-                self.writer.add_scalar(tag, row[key], global_step=row["step"])
-        self.writer.flush()  # a run that dies keeps its events
+        self.logger.log(row)
         if self.progress:
             self.progress.show(row)
 
@@ -99,7 +95,7 @@ class RunRecord:
         self.enabled = False
         if self.progress:
             self.progress.stop()
-        self.writer.close()
+        self.logger.close()
         self.csv_file.close()
 
 
@@ -142,11 +138,12 @@ class ProgressBar:
             handler.setStream(stream)
 
 
-def save_config(config: Any, run_dir: Path) -> None:
-    """The config this run uses, every value resolved, as <run dir>/config.yaml; printed too."""
-    text = OmegaConf.to_yaml(OmegaConf.structured(config))
-    (run_dir / "config.yaml").write_text(text)
-    log.info("config (also in %s):\n%s", run_dir / "config.yaml", text.rstrip())
+def save_config(config: Any, run_dir: Path, overrides: list[str]) -> None:
+    """The config this run uses, every value resolved, in <run dir>/config.yaml; the log names
+    the file and what differs from the defaults (the overrides), not the whole of it."""
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    changed = " ".join(overrides) if overrides else "none: the defaults"
+    log.info("config: %s; overrides: %s", run_dir / "config.yaml", changed)
 
 
 def plot_and_log(run_dir: Path) -> None:
@@ -185,13 +182,24 @@ def plot_metrics(run_dir: Path) -> Path | None:
 
     matplotlib.use("Agg")  # files only: no display in a pod
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    steps = [row["step"] for row in rows]
+    steps, losses = [row["step"] for row in rows], [row["loss"] for row in rows]
     figure, (loss, speed) = plt.subplots(2, 1, sharex=True, figsize=(7, 6), layout="constrained")
-    loss.plot(steps, [row["loss"] for row in rows], marker=".")
-    loss.set(ylabel="loss", yscale="log", title=run_dir.name)
+    loss.plot(steps, losses, marker=".")
+    # A log scale where the loss falls by more than 10x; ticks as plain numbers (2.05, not 2.05 x 10^0).
+    spread = max(losses) / min(losses) if min(losses) > 0 else 1
+    loss.set(
+        ylabel="loss",
+        yscale="log" if spread > 10 else "linear",
+        title=f"{PROJECT} · {run_dir.name}",
+    )
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    loss.yaxis.set_major_formatter(plain)
+    loss.yaxis.set_minor_formatter(plain if spread > 10 else FuncFormatter(lambda *_: ""))
     speed.plot(steps, [row["samples_per_s"] for row in rows], marker=".", color="tab:green")
     speed.set(xlabel="step", ylabel="samples/s")
+    speed.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     for axes in (loss, speed):
         axes.grid(alpha=0.3)
     path = run_dir / "metrics.png"

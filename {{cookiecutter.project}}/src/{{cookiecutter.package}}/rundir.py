@@ -34,7 +34,7 @@ FREE_ON_RESUME = (
     "trainer.on_nonfinite", "trainer.accept_changes", "data.num_workers", "data.pin_memory",
     "data.on_device", "dist.backend", "dist.timeout_s", "dist.gate_timeout_s",
     "dist.checkpoint_timeout_s", "dist.async_error_handling", "dist.bucket_cap_mb",
-    "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "nccl.", "deploy.",
+    "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "nccl.", "deploy.", "logger.",
 )  # fmt: skip
 _held: dict[Path, int] = {}  # run dir -> the open lock file, for the life of this process
 

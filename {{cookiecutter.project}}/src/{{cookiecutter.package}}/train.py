@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from {{ cookiecutter.package }} import checkpoint, failfast, launch, metrics, nccl, probe
+from {{ cookiecutter.package }} import PROJECT, checkpoint, failfast, metrics, nccl, probe
 from {{ cookiecutter.package }}.config import (
     TrainConfig,
     exit_with_error,
@@ -64,11 +64,12 @@ def apply_nccl_env(cfg: TrainConfig, world: World, profile: str, run_dir: Path) 
         value = str(cfg.dist.async_error_handling)
         explicit["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = (value, "config dist.async_error_handling")
     decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
-    shm_problem = nccl.shm_error(facts, decision.env) if uses_cuda(cfg.dist.backend) else None
+    cuda = uses_cuda(cfg.dist.backend)
+    shm_problem = nccl.shm_error(facts, decision.env) if cuda else None
     if shm_problem:
         exit_with_error(shm_problem)
     os.environ.update(decision.env)
-    if world.main:
+    if world.main and cuda:  # over gloo none of this is used: say nothing of it
         if cfg.nccl.auto:
             log.info("node probe: %s", facts.summary())
         log.info("NCCL environment (nccl=%s):\n%s", profile, decision.report())
@@ -120,7 +121,7 @@ def report_collective_failure(
             timeout_s=cfg.dist.timeout_s,
             decision=decision,
             profile=profile,
-            launch=f"{launch.COMMAND} train --nproc-per-node {world.local_size}",
+            launch=f"{PROJECT} train --nproc-per-node {world.local_size}",
             package=__package__,
             trace_prefix=decision.env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""),
         )
@@ -156,7 +157,22 @@ def stop_when_orphaned(launcher_pid: int) -> None:
     signal.raise_signal(signal.SIGTERM)
 
 
-def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
+def report_cpu_settings(cfg: TrainConfig) -> None:
+    """On CPU, what the GPU-only settings amount to, so the printed config does not mislead."""
+    unused = (
+        [f"trainer.precision={cfg.trainer.precision.value}"]
+        if cfg.trainer.precision.value != "fp32"
+        else []
+    )
+    unused += ["data.pin_memory=true"] if cfg.data.pin_memory else []
+    if unused:
+        log.info(
+            "on CPU %s apply to GPUs only: this run computes in fp32 from ordinary memory",
+            " and ".join(unused),
+        )
+
+
+def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: list[str]) -> None:
     world = World.from_env()
     decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)
     device = select_device(cfg, world)
@@ -177,10 +193,12 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str) -> None:
         phase = "training"
         if world.main:
             log.info(
-                "world size %d, backend %s, gate all-reduce passed, run dir %s",
-                world.size, dist.get_backend(), run_dir,
+                "%s run %s: world size %d, backend %s, gate all-reduce passed, run dir %s",
+                PROJECT, run_dir.name, world.size, dist.get_backend(), run_dir,
             )  # fmt: skip
-            metrics.save_config(cfg, run_dir)
+            metrics.save_config(cfg, run_dir, overrides)
+            if device.type == "cpu":
+                report_cpu_settings(cfg)
         control = control_group(cfg, world)
         trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
         try:
@@ -224,7 +242,8 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
 def main(cfg: DictConfig) -> None:
     """Hydra has composed the config; check.ConfigCheck has validated it."""
     hydra_cfg = HydraConfig.get()
-    main_worker(typed(cfg), Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"])
+    run_dir, profile = Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"]
+    main_worker(typed(cfg), run_dir, profile, list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":

@@ -143,7 +143,14 @@ class Trainer:
         self.resume()
         max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
         batches = self.batches()
-        record = metrics.RunRecord(self.run_dir, max_steps, self.progress.step, self.world.main)
+        record = metrics.RunRecord(
+            self.run_dir,
+            max_steps,
+            self.progress.step,
+            self.world.main,
+            self.cfg.logger,
+            self.checkpointer.config,
+        )
         self.window = Window(self.device, self.progress.step)
         try:
             with record:  # on an error or SIGTERM too: the bar stops and the files close
