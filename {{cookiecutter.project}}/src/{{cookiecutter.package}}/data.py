@@ -125,6 +125,17 @@ def ignore_sigterm(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def epoch_batches(loader: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    """iter(loader) with SIGTERM blocked while it forks the workers: a SIGTERM between a fork and
+    ignore_sigterm would kill the worker, and the trainer with it. A worker keeps the signal
+    blocked, then ignored; the trainer gets any that came meanwhile once it is unblocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class DeviceBatches:
     """Batches of a data set held in GPU memory: each epoch's indices go over in one copy, and
     each batch is a gather on the GPU, with no host work and no synchronisation per batch."""

@@ -174,9 +174,10 @@ def read_rows(run_dir: Path) -> list[dict[str, float | None]]:
 
 
 def plot_metrics(run_dir: Path) -> Path | None:
-    """metrics.png: the loss and the throughput against the step. None without any rows."""
+    """metrics.png: the loss and the throughput against the step. None with fewer than 2 rows:
+    one point draws no curve (and a short run skips matplotlib's second of start-up)."""
     rows = read_rows(run_dir)
-    if not rows:
+    if len(rows) < 2:
         return None
     import matplotlib
 
@@ -216,7 +217,7 @@ def main() -> int:
     run_dir = parser.parse_args().run_dir
     path = plot_metrics(run_dir)
     if path is None:
-        print(f"{run_dir}: no metrics.csv with rows", file=sys.stderr)
+        print(f"{run_dir}: nothing to draw: metrics.csv has fewer than 2 rows", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from {{ cookiecutter.package }} import ddp, metrics
 from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
 from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
-from {{ cookiecutter.package }}.data import build_dataset, build_loader
+from {{ cookiecutter.package }}.data import build_dataset, build_loader, epoch_batches
 from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.world import World
@@ -198,7 +198,7 @@ class Trainer:
         """This rank's batches from where progress stands, epoch after epoch."""
         while True:
             self.sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch)
-            for inputs, labels in self.loader:
+            for inputs, labels in epoch_batches(self.loader):
                 self.progress.batch_in_epoch += 1
                 yield (
                     inputs.to(self.device, non_blocking=True),
