@@ -41,6 +41,14 @@ THIRD_PARTY = {
     "mpl_toolkits", "pylab", "contourpy", "cycler", "fontTools", "kiwisolver", "pyparsing",
     "dateutil", "pytest", "_pytest", "py", "pluggy", "iniconfig", "pytest_timeout", "ruff",
     "pydevd_plugins", "importlib_resources", "isympy", "pillow", "tzdata", "example",
+    # the extras: logger=wandb, logger=mlflow, and the test tools
+    "wandb", "mlflow", "xdist", "execnet", "_cffi_backend", "annotated_doc", "annotated_types",
+    "anyio", "cachetools", "certifi", "cffi", "charset_normalizer", "click", "cloudpickle",
+    "coreweave_evaluations", "cryptography", "databricks", "distro", "dotenv", "fastapi", "git",
+    "gitdb", "h11", "httpcore", "httpx", "idna", "importlib_metadata", "opentelemetry",
+    "package_readme", "platformdirs", "pyasn1", "pyasn1_modules", "pycparser", "pydantic",
+    "pydantic_core", "requests", "smmap", "sniffio", "sqlparse", "starlette", "typing_inspection",
+    "urllib3", "uvicorn", "xxhash", "zipp",
 }  # fmt: skip
 OWN = {"tests", "test", "src", "configs", "conftest", "outputs", "k8s"}
 SHADOWED = THIRD_PARTY | OWN | set(sys.stdlib_module_names)

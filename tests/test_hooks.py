@@ -243,11 +243,13 @@ def dependency_closure(names: list[str]) -> set[str]:
     return seen
 
 
-def test_every_module_the_project_imports_is_a_name_the_hook_refuses():
-    """The generated project's dependencies, and theirs, installed here: each top-level module
-    they provide must be refused as a package name, or the project would shadow it."""
-    pyproject = (TEMPLATE / "{{cookiecutter.project}}" / "pyproject.toml").read_text()
-    declared = re.findall(r'^\s+"([A-Za-z0-9_.-]+)[^"]*",', pyproject, re.MULTILINE)
+def test_every_module_the_project_imports_is_a_name_the_hook_refuses(default_project):
+    """The generated project's dependencies and extras, and theirs, installed here: each
+    top-level module they provide must be refused as a package name, or the project would
+    shadow it."""
+    project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+    declared = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requirements]
     provided = set()
     for name in dependency_closure(declared):
         files = importlib.metadata.distribution(name).files or []

@@ -648,7 +648,12 @@ MAY_BE_ABSENT = {"configs/local/default.yaml", "k8s/service.yaml", "k8s/jobset.y
                  "k8s/trainjob.yaml", "k8s/serviceaccount.yaml"}  # fmt: skip
 
 
+# This README section names lightning-hydra-template's files, next to ours.
+THEIRS = re.compile(r"^## Coming from lightning-hydra-template$.*?(?=^## )", re.MULTILINE | re.DOTALL)
+
+
 def named_paths(text: str) -> set[str]:
+    text = THEIRS.sub("", text)
     return {m.rstrip(".") for m in PATH_NAMED.findall(text) if "<" not in m and "*" not in m}
 
 

@@ -83,7 +83,7 @@ BAD = [
         "trainer.max_steps: not an override Hydra can read (missing EQUAL at '<EOF>'); write key=value",
     ),
     ("+trainer.foo=1", "trainer.foo: no such key; allowed: max_steps, lr,"),
-    ("+foo=1", "foo: no such key; allowed: model, data, trainer, dist, nccl, deploy"),
+    ("+foo=1", "foo: no such key; allowed: model, data, logger, trainer, dist, nccl, deploy"),
     ("+model.width=3", "model.width: no such key; allowed: hidden_dim, depth"),
     ("+deploy.extra.key=1", "deploy.extra: no such key; allowed: name, image,"),
     (

@@ -8,7 +8,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.config import Backend, ConfigError, TrainConfig, to_train_config
+from {{ cookiecutter.package }}.config import (
+    Backend,
+    ConfigError,
+    TrainConfig,
+    to_train_config,
+)
 
 PROFILE_ENV = {
     "auto": {},

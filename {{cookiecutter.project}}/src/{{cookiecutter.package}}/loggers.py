@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from {{ cookiecutter.package }} import PROJECT
-from {{ cookiecutter.package }}.config import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardConfig, WandbConfig
+from {{ cookiecutter.package }}.config import (
+    CsvLoggerConfig,
+    MlflowLoggerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 
 TAGS = {
     "loss": "train/loss",
