@@ -10,7 +10,7 @@ source "$(dirname "$0")/gpu-setup.sh"
 
 cd "$project"
 # GPU_TESTS narrows the run (pytest -k), e.g. GPU_TESTS="not doctor" when device time is short.
-python3 -m pytest -m gpu -k "${GPU_TESTS:-}" -s -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.log"
+python3 -m pytest -n 0 -m gpu -k "${GPU_TESTS:-}" -s -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.log"
 # Preemption on GPUs: SIGTERM to torchrun, a checkpoint at the stopping step, a resume.
-python3 -m pytest -q -p no:cacheprovider tests/test_resume.py -k sigterm 2>&1 | tee -a "$OUT/gpu-tests.log"
+python3 -m pytest -n 0 -q -p no:cacheprovider tests/test_resume.py -k sigterm 2>&1 | tee -a "$OUT/gpu-tests.log"
 echo; grep -h "GPU-RESULT" "$OUT/gpu-tests.log"; tail -1 "$OUT/gpu-tests.log"

@@ -20,6 +20,13 @@ PACKAGE = "{{ cookiecutter.package }}"
 RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked gpu measure the machine's GPUs: one xdist worker runs them, one at a time."""
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.xdist_group("gpus"))
+
+
 @pytest.fixture
 def compose_train():
     """compose_train(*overrides) -> the composed DictConfig of configs/train.yaml."""
@@ -76,7 +83,8 @@ def torchrun(
 def wait_for_metrics(launcher: subprocess.Popen, run_dir: Path, timeout_s: float = 180) -> None:
     """Until the run has logged its first steps; fails if it ends or stalls first."""
     deadline = time.monotonic() + timeout_s
-    while not (run_dir / "metrics.jsonl").exists():
+    rows = run_dir / "metrics.jsonl"  # written empty at the start, a row at each log step
+    while not (rows.exists() and rows.stat().st_size):
         assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
 

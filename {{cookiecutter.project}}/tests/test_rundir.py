@@ -3,6 +3,7 @@ can be written; each refusal one line, with nothing in the run dir changed."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 
@@ -63,12 +64,18 @@ def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path):
     assert json.loads((run_dir / ".lock").read_text())["pid"] != dead["pid"]
 
 
-@pytest.fixture
-def trained(tmp_path):
-    done = launch(
-        tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=10", "hydra.run.dir=run"
-    )
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("trained")
+    done = launch(cwd, "trainer.max_steps=10", "trainer.checkpoint_every=10", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
+    return cwd
+
+
+@pytest.fixture
+def trained(trained_once, tmp_path):
+    """A folder holding run/, trained for 10 steps with a checkpoint there; each test's own copy."""
+    shutil.copytree(trained_once / "run", tmp_path / "run")
     return tmp_path
 
 
