@@ -70,12 +70,14 @@ def configs_at(folder: Path | None) -> AbstractContextManager:
     return initialize_config_dir(config_dir=str(folder.resolve()), version_base="1.3")
 
 
-def load_config(overrides: list[str], folder: Path | None = None) -> TrainConfig:
+def load_config(
+    overrides: list[str], folder: Path | None = None, this_node: bool = True
+) -> TrainConfig:
     """The config that train composes with `overrides`, checked; raises on a bad one."""
     register_configs()
     with configs_at(folder):
         cfg = compose(config_name="train", overrides=overrides)
-    return to_train_config(cfg)
+    return to_train_config(cfg, this_node=this_node)
 
 
 def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
@@ -116,10 +118,12 @@ class ConfigCheck(Callback):
     on_job_start = on_run_start  # each job of a sweep, with its own overrides
 
 
-def load_or_exit(overrides: list[str], folder: Path | None = None) -> TrainConfig:
+def load_or_exit(
+    overrides: list[str], folder: Path | None = None, this_node: bool = True
+) -> TrainConfig:
     """The checked config, or one `config error:` line and exit 2 (config.exit_with_error)."""
     try:
-        return load_config(overrides, folder)
+        return load_config(overrides, folder, this_node)
     except CONFIG_ERRORS as err:
         exit_with_error(f"config error: {describe(err)}")
 

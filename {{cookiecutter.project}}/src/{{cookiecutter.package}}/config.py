@@ -19,7 +19,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -402,11 +401,15 @@ class TrainConfig:
 
 
 def uses_cuda(backend: Backend) -> bool:
+    import torch  # here, so that rendering k8s/ needs no torch
+
     return backend is Backend.nccl or (backend is Backend.auto and torch.cuda.is_available())
 
 
 def check_devices(config: TrainConfig, world: World) -> None:
     """torchrun's --nproc-per-node must fit the GPUs this node can see."""
+    import torch
+
     if not uses_cuda(config.dist.backend):
         return
     visible = torch.cuda.device_count()
@@ -462,12 +465,16 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
             check_keys(child, f"{prefix}{key}.")
 
 
-def to_train_config(cfg: DictConfig, world: World | None = None) -> TrainConfig:
-    """The composed config as typed objects, checked; ConfigError names the bad key."""
+def to_train_config(
+    cfg: DictConfig, world: World | None = None, this_node: bool = True
+) -> TrainConfig:
+    """The composed config as typed objects, checked; ConfigError names the bad key.
+    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster)."""
     world = world or World.from_env()
     check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
-    check_devices(config, world)
+    if this_node:
+        check_devices(config, world)
     check_data(config, world)
     check_combinations(config)
     return config

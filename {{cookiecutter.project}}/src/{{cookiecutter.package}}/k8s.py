@@ -853,7 +853,8 @@ def main() -> int:
     # installed package's.
     source = project_root(Path.cwd()) / "configs"
     folder = source if (source / "train.yaml").is_file() else None
-    cfg = check.load_or_exit(args.overrides, folder)  # deploy_errors() included: exit 2, one line
+    # deploy_errors() included: exit 2, one line. The pods' GPUs are not this machine's.
+    cfg = check.load_or_exit(args.overrides, folder, this_node=False)
     deploy = OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
     profile = OmegaConf.to_container(OmegaConf.structured(cfg.nccl), enum_to_str=True)
     rendered = manifests(deploy, nccl_env(profile))
