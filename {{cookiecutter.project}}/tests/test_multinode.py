@@ -1,4 +1,4 @@
-"""The manifests' own launch lines, run as 2 nodes x 2 processes on this machine (CPU, gloo).
+"""The manifests' own launch lines, run as 2 nodes on this machine (CPU, gloo).
 
 Each "node" is a process tree started with the trainer container's command, args and env from a
 fresh render of k8s/, plus what Kubernetes adds: the pod's hostname, JOB_COMPLETION_INDEX and
@@ -23,11 +23,18 @@ from typing import NamedTuple
 import pytest
 import torch
 import yaml
-from conftest import PACKAGE, launcher_bin, read_metrics, worker_pids
+from conftest import launcher_bin, read_metrics, worker_pids
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import check, k8s
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
-STEPS = ("trainer.max_steps=3000", "trainer.log_every=100", "trainer.checkpoint_every=200")
+# The kill comes at the first checkpoint: the 300 steps after it (seconds, even on a loaded
+# machine) keep the run from finishing first, and are all the restart has to train. The restart
+# tests run 1 process per node: what they test is each node's torchrun, and every process costs
+# seconds of CPU at each start.
+STEPS = ("trainer.max_steps=400", "trainer.log_every=50", "trainer.checkpoint_every=100")
 # What the pods of each flavor are called, and the DNS name of pod i (Kubernetes' naming).
 POD_NAMES = {
     "job": lambda name, i: (f"{name}-{i}", f"{name}-{i}.{name}"),
@@ -60,7 +67,7 @@ def hosts_file(names: list[tuple[str, ...]], addresses: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: that would put these tests on one xdist worker
 def hosts() -> Iterator:
     """hosts(names) -> one Host per node; names[i] are node i's hostname, then its other DNS names."""
     netns = [f"ddp{os.getpid()}n{i}" for i in range(NODES)]
@@ -120,13 +127,19 @@ def hosts() -> Iterator:
         pytest.skip("needs network namespaces or `unshare --mount --uts` (root)")
 
 
-def rendered_pods(out: Path, flavor: str, gpus: int) -> dict:
-    """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, from a
-    fresh render of k8s/ for NODES nodes."""
-    render = [sys.executable, "-m", f"{PACKAGE}.k8s", "--force", "--out", str(out),
-              f"deploy.flavor={flavor}", f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"]  # fmt: skip
-    subprocess.run(render, check=True, capture_output=True)
-    manifest = yaml.safe_load((out / f"{flavor}.yaml").read_text())
+def rendered_pods(flavor: str, gpus: int) -> dict:
+    """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, rendered
+    as `python -m <pkg>.k8s` renders it for NODES nodes; in this process, because that command
+    writes its overrides into the project's configs/."""
+    config = check.load_config(
+        [f"deploy.flavor={flavor}", f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"],
+        this_node=False,
+    )
+    deploy, profile = (
+        OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True)
+        for node in (config.deploy, config.nccl)
+    )
+    manifest = yaml.safe_load(k8s.manifests(deploy, k8s.nccl_env(profile))[f"{flavor}.yaml"])
     if flavor == "trainjob":  # Trainer's torch plugin makes the container from spec.trainer
         return manifest, manifest["spec"]["trainer"]
     if flavor == "pytorchjob":
@@ -205,7 +218,7 @@ def launch_nodes(
 ) -> list[subprocess.Popen]:
     """Every node (or node `only`), started with the manifest's command, args and env;
     devices[i] is node i's CUDA_VISIBLE_DEVICES, as the device plugin would give its pod."""
-    manifest, container = rendered_pods(tmp_path / "k8s", flavor, gpus)
+    manifest, container = rendered_pods(flavor, gpus)
     name = manifest["metadata"]["name"]
     args = [
         f"hydra.run.dir={run_dir}" if a.startswith("hydra.run.dir=") else a
@@ -264,7 +277,7 @@ def finish(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def assert_resumed_and_finished(
-    nodes, outputs, run_dir: Path, steps: tuple[str, ...] = STEPS, world_size: int = NODES * GPUS
+    nodes, outputs, run_dir: Path, world_size: int, steps: tuple[str, ...] = STEPS
 ) -> None:
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]
@@ -276,9 +289,12 @@ def assert_resumed_and_finished(
 
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
+    # 2 processes per node for the Job; 1 for the others, which read the count from the same
+    # deploy.gpus_per_node (a process less per node is seconds of CPU less)
+    gpus = GPUS if flavor == "job" else 1
     run_dir = tmp_path / "run"
     nodes = launch_nodes(
-        hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10"
+        hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10", gpus=gpus
     )
     outputs = finish(nodes, timeout=240)
     for node, output in zip(nodes, outputs, strict=True):
@@ -287,8 +303,8 @@ def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
         assert "not a writable directory" not in output, output[-3000:]
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [10, 20]
-    assert all(row["world_size"] == NODES * GPUS for row in rows)
-    assert "world size 4, backend gloo" in (run_dir / "train.log").read_text()
+    assert all(row["world_size"] == NODES * gpus for row in rows)
+    assert f"world size {NODES * gpus}, backend gloo" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
@@ -297,12 +313,14 @@ def test_a_killed_worker_restarts_every_node_in_place(hosts, tmp_path):
     failure, or on seeing a node wait in the rendezvous) and start new ones, which meet in a new
     rendezvous round and resume from the newest checkpoint. No pod is lost."""
     run_dir = tmp_path / "run"
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15")
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", gpus=1)
     wait_for_checkpoint(nodes, run_dir)
     victim = sorted(worker_pids(nodes[1].pid).values())[-1]
     os.kill(victim, signal.SIGKILL)
     outputs = finish(nodes, timeout=240)
-    assert_resumed_and_finished(nodes, outputs, run_dir)  # both torchruns lived on
+    assert_resumed_and_finished(
+        nodes, outputs, run_dir, world_size=NODES
+    )  # both torchruns lived on
 
 
 @pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
@@ -312,17 +330,19 @@ def test_a_lost_node_is_replaced_and_the_other_resumes_in_place(hosts, tmp_path)
     pod, and every rank resumes from the newest checkpoint."""
     run_dir = tmp_path / "run"
     port = free_port()
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", port=port)
+    nodes = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", port=port, gpus=1
+    )
     wait_for_checkpoint(nodes, run_dir)
     # The whole pod: its workers (torchrun starts them in sessions of their own), then torchrun.
     for worker in worker_pids(nodes[1].pid).values():
         os.kill(worker, signal.SIGKILL)
     os.kill(nodes[1].pid, signal.SIGKILL)
     nodes[1].communicate()
-    replacement = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=1, port=port)
+    replacement = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=1, port=port, gpus=1)
     survivor_and_replacement = [nodes[0], *replacement]
     outputs = finish(survivor_and_replacement, timeout=240)
-    assert_resumed_and_finished(survivor_and_replacement, outputs, run_dir)
+    assert_resumed_and_finished(survivor_and_replacement, outputs, run_dir, world_size=NODES)
 
 
 @pytest.mark.timeout(480)
@@ -339,7 +359,7 @@ def test_a_killed_worker_restarts_one_gpu_nodes_in_place_over_nccl(hosts, tmp_pa
     killed_at = time.monotonic()
     os.kill(sorted(worker_pids(nodes[1].pid).values())[-1], signal.SIGKILL)
     outputs = finish(nodes, timeout=240)
-    assert_resumed_and_finished(nodes, outputs, run_dir, steps, world_size=2)
+    assert_resumed_and_finished(nodes, outputs, run_dir, world_size=2, steps=steps)
     log = (run_dir / "train.log").read_text()
     assert "backend nccl, gate all-reduce passed" in log
     print(f"\nGPU-RESULT in-place restart over NCCL: {time.monotonic() - killed_at:.1f} s from the "
