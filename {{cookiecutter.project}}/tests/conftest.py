@@ -20,11 +20,36 @@ PACKAGE = "{{ cookiecutter.package }}"
 RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked gpu measure the machine's GPUs: one xdist worker runs them, one at a time."""
+    """Tests marked gpu measure the machine's GPUs: one xdist worker runs them, one at a time.
+    Tests that share a module-scoped fixture (a trained run: seconds of CPU) run on one worker,
+    which makes it once; spread over workers, each would make its own."""
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpus"))
+            continue
+        shared = [
+            name
+            for name in item.fixturenames
+            for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())[-1:]
+            if fixture.scope == "module"
+        ]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def shared_folder(request: pytest.FixtureRequest) -> Path:
+    """A module fixture's folder, made once per session; the test fails if a second xdist worker
+    makes it too (the grouping above did not hold, and the run would be paid twice)."""
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's
+    folder = root / f"{request.module.__name__}.{request.fixturename}"
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        pytest.fail(f"{folder.name} was made on two xdist workers: its tests must run on one")
+    return folder
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PACKAGE, launch, read_metrics, train_command
+from conftest import PACKAGE, launch, read_metrics, shared_folder, train_command
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.config import HELD_OUT
@@ -25,9 +25,12 @@ def evaluate(cwd: Path, *args: str, nproc: int = 0) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("evaluate")
-    done = launch(cwd, "trainer.max_steps=60", "trainer.checkpoint_every=30")
+def trained(request) -> Path:
+    cwd = shared_folder(request)
+    # trained on one process (seconds of CPU fewer); scored on one and on two below
+    done = launch(
+        cwd, "--nproc-per-node", "1", "trainer.max_steps=60", "trainer.checkpoint_every=30"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd
 
@@ -109,9 +112,8 @@ def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_pat
     inputs, labels = train[[0, 1]]
     assert inputs.dtype == torch.long and torch.equal(inputs[:, 1:], labels[:, :-1])
     assert bytes(inputs[0].tolist()) == SAMPLE.read_bytes()[:64]
-    done = launch(
-        tmp_path, *overrides, "trainer.max_steps=40", "trainer.log_every=20", "hydra.run.dir=run"
-    )
+    done = launch(tmp_path, "--nproc-per-node", "1", *overrides, "trainer.max_steps=40", "trainer.log_every=20",
+                  "hydra.run.dir=run")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
     assert losses[-1] < 0.7 * losses[0]

@@ -3,13 +3,22 @@ ends in one line before any worker starts; a failure ends in one line naming the
 exit; workers never outlive it."""
 
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, launch, launch_command, read_metrics, wait_for_metrics, worker_pids
+from conftest import (
+    PACKAGE,
+    launch,
+    launch_command,
+    read_metrics,
+    shared_folder,
+    wait_for_metrics,
+    worker_pids,
+)
 from torch.distributed.run import get_args_parser
 
 from {{ cookiecutter.package }} import checkpoint
@@ -53,21 +62,31 @@ def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser()
     assert options == args[:6] and overrides == ["trainer.lr=0.1", "hydra.run.dir=x"]
 
 
-def test_a_run_ends_with_the_workers_exit_code(tmp_path):
-    done = launch(tmp_path, "trainer.max_steps=10", "hydra.run.dir=run")
+COMMON = ("trainer.checkpoint_every=10", "trainer.log_every=5", "hydra.run.dir=run")
+
+
+@pytest.fixture(scope="module")
+def good_run(request) -> tuple[Path, subprocess.CompletedProcess]:
+    """20 steps under the launcher, a checkpoint every 10: its folder, and how it ended."""
+    tmp_path = shared_folder(request)
+    return tmp_path, launch(tmp_path, "trainer.max_steps=20", *COMMON)
+
+
+def test_a_run_ends_with_the_workers_exit_code(good_run):
+    cwd, done = good_run
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "OMP_NUM_THREADS" not in done.stderr
-    assert read_metrics(tmp_path / "run")[-1]["step"] == 10
+    assert read_metrics(cwd / "run")[-1]["step"] == 20
 
 
-def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(tmp_path):
+def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(good_run, tmp_path):
     """trainer.lr=1e30 passes the check (it is finite) and blows the weights up at once: the run
     ends at its first log window in one line, exit 4, the earlier checkpoints as they were."""
-    common = ("trainer.checkpoint_every=10", "trainer.log_every=5", "hydra.run.dir=run")
-    assert launch(tmp_path, "trainer.max_steps=20", *common).returncode == 0
+    assert good_run[1].returncode == 0
+    shutil.copytree(good_run[0] / "run", tmp_path / "run")
     good = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
     done = launch(tmp_path, "trainer.max_steps=60", "trainer.lr=1e30",
-                  "trainer.accept_changes=[trainer.lr]", *common)  # fmt: skip
+                  "trainer.accept_changes=[trainer.lr]", *COMMON)  # fmt: skip
     assert done.returncode == 4
     assert stderr_lines(done) == [
         "training diverged: step 25: the loss is not finite; nothing was saved from it. Lower "

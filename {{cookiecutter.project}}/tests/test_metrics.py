@@ -5,12 +5,14 @@ import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PACKAGE, read_metrics, torchrun, train_command
+from conftest import PACKAGE, read_metrics, shared_folder, torchrun, train_command
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -18,17 +20,68 @@ from {{ cookiecutter.package }} import loggers, metrics
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default
+MEASURED_RUN = (*RUN, *MEASURED, "trainer.checkpoint_every=20")
 BAR = "━"  # rich's bar
 
 
+# A launch costs seconds of CPU: the tests that read the same kind of run share one (module
+# fixtures), and copy it where they change it.
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(request):
     """One 2-process run without a terminal, every column measured, and its output."""
-    tmp_path = tmp_path_factory.mktemp("metrics")
+    tmp_path = shared_folder(request)
     run_dir = tmp_path / "run"
-    done = torchrun(tmp_path, *RUN, *MEASURED, f"hydra.run.dir={run_dir}")
+    done = torchrun(tmp_path, *MEASURED_RUN, f"hydra.run.dir={run_dir}")
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def default_run(request):
+    """A 2-process run with the default logging, on a terminal: its run dir and what the terminal
+    showed."""
+    tmp_path = shared_folder(request)
+    controller, terminal = pty.openpty()
+    command = train_command(*RUN, f"hydra.run.dir={tmp_path / 'run'}")
+    process = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal,
+                               stderr=terminal, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: every process has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=60) == 0
+    return tmp_path / "run", b"".join(chunks).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def one_process_csv(request) -> Path:
+    """A run on one process with logger=csv."""
+    tmp_path = shared_folder(request)
+    done = torchrun(tmp_path, *RUN, "logger=csv", f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "run"
+
+
+@pytest.fixture(scope="module")
+def resumed(run, request) -> Path:
+    """A copy of `run` without its step-60 checkpoint (as if the pod died after step 59),
+    launched again to step 80: it resumes from step 40 and trains 41-60 a second time."""
+    run_dir = shared_folder(request) / "run"
+    shutil.copytree(run[0], run_dir)
+    (run_dir / "checkpoints" / "step_000000060.pt").unlink()
+    done = torchrun(
+        run_dir.parent, *MEASURED_RUN[1:], "trainer.max_steps=80", f"hydra.run.dir={run_dir}"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
 
 
 def test_csv_and_jsonl_hold_the_same_rows(run):
@@ -71,10 +124,10 @@ def test_the_plot_lands_in_the_run_dir(run):
 def test_the_resolved_config_is_printed_and_saved(run, compose_train):
     run_dir, output = run
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    cfg = OmegaConf.to_object(compose_train(*RUN, *MEASURED))
+    cfg = OmegaConf.to_object(compose_train(*MEASURED_RUN))
     assert saved == OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert saved["trainer"]["max_steps"] == 60 and saved["dist"]["time_comm"] is True
-    overrides = " ".join([*RUN, *MEASURED])  # hydra.* settings are not the training config's
+    overrides = " ".join(MEASURED_RUN)  # hydra.* settings are not the training config's
     assert f"config: {run_dir / 'config.yaml'}; overrides: {overrides}\n" in output
     assert "max_steps: 60" not in output  # the file holds the config, the log says where
 
@@ -85,47 +138,22 @@ def test_without_a_terminal_progress_is_log_lines(run):
     assert BAR not in output
 
 
-def test_on_a_terminal_rank_0_shows_a_progress_bar(tmp_path):
-    controller, terminal = pty.openpty()
-    command = train_command(*RUN, f"hydra.run.dir={tmp_path / 'run'}")
-    process = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal,
-                               stderr=terminal, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
-    os.close(terminal)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # the terminal closed: every process has exited
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    assert process.wait(timeout=60) == 0
-    output = b"".join(chunks).decode(errors="replace")
+def test_on_a_terminal_rank_0_shows_a_progress_bar(default_run):
+    output = default_run[1]
     assert BAR in output and "step 40/60  loss" in output  # the bar, and log lines above it
     assert (
         re.findall(r"\b(\d+)/60\b", output)[-1] == "60" and "Traceback" not in output
     )  # it ends finished
 
 
-def test_a_resumed_run_appends_to_the_csv(run, tmp_path):
-    import shutil
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(run[0], run_dir)
-    done = torchrun(
-        tmp_path, *RUN[1:], *MEASURED, "trainer.max_steps=80", f"hydra.run.dir={run_dir}"
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = (run_dir / "metrics.csv").read_text().splitlines()
+def test_a_resumed_run_appends_to_the_csv(resumed):
+    lines = (resumed / "metrics.csv").read_text().splitlines()
     assert lines[0] == ",".join(metrics.COLUMNS) and lines.count(lines[0]) == 1
-    assert [row["step"] for row in metrics.read_rows(run_dir)] == [20, 40, 60, 80]
+    assert [row["step"] for row in metrics.read_rows(resumed)] == [20, 40, 60, 80]
 
 
-def test_one_process_has_no_communication(tmp_path):
-    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert all(row["comm_share"] == 0 for row in read_metrics(tmp_path / "run"))
+def test_one_process_has_no_communication(one_process_csv):
+    assert all(row["comm_share"] == 0 for row in read_metrics(one_process_csv))
 
 
 def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
@@ -139,20 +167,17 @@ def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
     assert empty.stderr == f"{tmp_path}: nothing to draw: metrics.csv has fewer than 2 rows\n"
 
 
-def test_by_default_communication_and_gradient_norm_are_not_measured(tmp_path):
+def test_by_default_communication_and_gradient_norm_are_not_measured(default_run):
     """dist.time_comm=false and no clipping: DDP's built-in all-reduce, no Python hook and no
     pass over the gradients, so no figure to report."""
-    done = torchrun(tmp_path, *RUN, f"hydra.run.dir={tmp_path / 'run'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    for rows in (read_metrics(tmp_path / "run"), metrics.read_rows(tmp_path / "run")):
+    run_dir = default_run[0]
+    for rows in (read_metrics(run_dir), metrics.read_rows(run_dir)):
         assert all(row["comm_share"] is None and row["grad_norm"] is None for row in rows)
     progress = [
-        line
-        for line in (tmp_path / "run" / "train.log").read_text().splitlines()
-        if "  loss " in line
+        line for line in (run_dir / "train.log").read_text().splitlines() if "  loss " in line
     ]
     assert len(progress) == 3 and progress[-1].endswith(" ms/step")  # nothing after the step time
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - {
         "perf/comm_share",
@@ -160,31 +185,22 @@ def test_by_default_communication_and_gradient_norm_are_not_measured(tmp_path):
     }
 
 
-def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
+def test_a_resume_from_an_older_checkpoint_logs_each_step_once(resumed):
     """Rows past the checkpoint were trained again: the CSV, the JSONL and TensorBoard keep one
-    row per step, the second run's."""
-    run_dir = tmp_path / "run"
-    first = torchrun(tmp_path, *RUN, "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
-    (run_dir / "checkpoints" / "step_000000060.pt").unlink()  # as if the pod died after step 59
-    again = torchrun(tmp_path, *RUN, "trainer.checkpoint_every=20", f"hydra.run.dir={run_dir}")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from the checkpoint of step 40" in (run_dir / "train.log").read_text()
-    assert [row["step"] for row in metrics.read_rows(run_dir)] == [20, 40, 60]
-    assert (
-        (run_dir / "metrics.csv").read_text().splitlines()[1].startswith("20,60,0,")
-    )  # as written
-    assert [row["step"] for row in read_metrics(run_dir)] == [20, 40, 60]
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    row per step, the second run's (its max_steps is 80)."""
+    assert "resumed from the checkpoint of step 40" in (resumed / "train.log").read_text()
+    assert [(row["step"], row["max_steps"]) for row in metrics.read_rows(resumed)] == [
+        (20, 60), (40, 60), (60, 80), (80, 80)
+    ]  # fmt: skip
+    assert [row["step"] for row in read_metrics(resumed)] == [20, 40, 60, 80]
+    events = EventAccumulator(str(resumed / "tensorboard"))
     events.Reload()
-    assert [event.step for event in events.Scalars("train/loss")] == [20, 40, 60]
+    assert [event.step for event in events.Scalars("train/loss")] == [20, 40, 60, 80]
 
 
-def test_logger_csv_writes_no_event_files(tmp_path):
-    done = torchrun(tmp_path, *RUN, "logger=csv", f"hydra.run.dir={tmp_path / 'run'}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [20, 40, 60]
-    assert not (tmp_path / "run" / "tensorboard").exists()
+def test_logger_csv_writes_no_event_files(one_process_csv):
+    assert [row["step"] for row in read_metrics(one_process_csv)] == [20, 40, 60]
+    assert not (one_process_csv / "tensorboard").exists()
 
 
 # Installed as sitecustomize in the workers: notes what the W&B run is given, then logs it for real.
@@ -222,7 +238,8 @@ def test_logger_wandb_offline_gets_every_row(tmp_path):
 def test_logger_mlflow_file_store_holds_every_row(tmp_path, monkeypatch):
     import mlflow
 
-    done = torchrun(tmp_path, *RUN, "logger=mlflow", f"hydra.run.dir={tmp_path / 'run'}")
+    # one process: that only rank 0 logs, the W&B test shows (each call recorded, none twice)
+    done = torchrun(tmp_path, *RUN, "logger=mlflow", f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
     assert done.returncode == 0, done.stderr[-3000:]
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = mlflow.tracking.MlflowClient((tmp_path / "run" / "mlruns").as_uri())

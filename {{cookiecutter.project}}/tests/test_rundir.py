@@ -7,8 +7,20 @@ import shutil
 import socket
 import subprocess
 
+import conftest
 import pytest
-from conftest import PACKAGE, launch, launch_command, read_metrics, torchrun, wait_for_metrics
+from conftest import PACKAGE, launch_command, read_metrics, shared_folder, wait_for_metrics
+
+# One process per launch: what is checked here does not depend on the world size, and each
+# process saved is seconds of CPU.
+
+
+def launch(cwd, *args: str) -> subprocess.CompletedProcess:
+    return conftest.launch(cwd, "--nproc-per-node", "1", *args)
+
+
+def torchrun(cwd, *overrides: str) -> subprocess.CompletedProcess:
+    return conftest.torchrun(cwd, *overrides, nproc=1)
 
 
 def one_line(done: subprocess.CompletedProcess) -> str:
@@ -28,7 +40,8 @@ def snapshot(run_dir) -> dict:
 @pytest.mark.timeout(300)
 def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(tmp_path):
     first = subprocess.Popen(
-        launch_command("trainer.max_steps=100000000", "trainer.log_every=5", "hydra.run.dir=run"),
+        launch_command("--nproc-per-node", "1", "trainer.max_steps=100000000", "trainer.log_every=5",
+                       "hydra.run.dir=run"),  # fmt: skip
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -65,8 +78,8 @@ def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained_once(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("trained")
+def trained_once(request):
+    cwd = shared_folder(request)
     done = launch(cwd, "trainer.max_steps=10", "trainer.checkpoint_every=10", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, torchrun
+from conftest import RUN_NAME, read_metrics, shared_folder, torchrun
 from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package }} import data
@@ -58,6 +58,10 @@ def test_two_processes_learn_in_one_run_dir(tmp_path):
 
     (run_dir,) = (cwd / "outputs").iterdir()  # both ranks chose the same dir
     assert sorted(p.name for p in cwd.iterdir()) == ["outputs"]  # nothing outside it
+    assert (
+        RUN_NAME.fullmatch(run_dir.name)
+        and f"run {run_dir.name}" in (run_dir / "train.log").read_text()
+    )
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [25, 50, 75, 100, 125, 150]
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
@@ -69,28 +73,22 @@ def test_two_processes_learn_in_one_run_dir(tmp_path):
     assert "plot metrics.png" in log and (run_dir / "metrics.png").stat().st_size > 10_000
 
 
-def test_explicit_run_dir_holds_everything(tmp_path):
+def test_explicit_run_dir_holds_everything_even_with_checkpoints_off(tmp_path):
     run_dir = tmp_path / "runs" / "first"
-    done = torchrun(tmp_path, "trainer.max_steps=10", f"hydra.run.dir={run_dir}")
+    done = torchrun(tmp_path, "trainer.max_steps=10", "trainer.log_every=10", "trainer.checkpoint_every=0",
+                    f"hydra.run.dir={run_dir}")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
-    assert [row["step"] for row in read_metrics(run_dir)] == [10]
+    assert not (run_dir / "checkpoints").exists()
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [10] and rows[0]["step_time_ms"] > 0
     assert not (run_dir / "metrics.png").exists()  # one row draws no curve
 
 
-def test_nccl_env_is_in_place_on_every_rank_at_init(tmp_path, record_nccl_env):
-    done = torchrun(tmp_path, "nccl=pcie_safe", "trainer.max_steps=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    for env in recorded(record_nccl_env):
-        assert env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
-
-
-def test_overrides_flip_fields_and_the_config_beats_the_inherited_env_on_every_rank(
-    tmp_path, record_nccl_env
-):
-    """nccl.p2p_disable=false flips the profile's field, nccl.debug adds one; the profile's
-    NCCL_IB_DISABLE=1 beats the 0 inherited from the environment, which keeps what the config
-    does not set."""
+def test_the_profile_and_overrides_are_in_place_on_every_rank_at_init(tmp_path, record_nccl_env):
+    """nccl=pcie_safe sets its fields, nccl.p2p_disable=false flips one, nccl.debug adds one; the
+    profile's NCCL_IB_DISABLE=1 beats the 0 inherited from the environment, which keeps what the
+    config does not set."""
     inherited = {"NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}
     done = torchrun(tmp_path, "nccl=pcie_safe", "nccl.p2p_disable=false", "nccl.debug=WARN",
                     "trainer.max_steps=2", env=inherited)  # fmt: skip
@@ -142,37 +140,42 @@ def max_difference(first: dict, second: dict) -> float:
     return max((first[key] - second[key]).abs().max().item() for key in first)
 
 
-def test_gradient_accumulation_matches_one_large_batch(tmp_path):
+STEPS_COMPARED = ("trainer.max_steps=20", "trainer.checkpoint_every=20")
+
+
+@pytest.fixture(scope="module")
+def large_batch_run(request) -> Path:
+    """Batches of 64 from 2 DataLoader workers: the run the others must match."""
+    tmp_path = shared_folder(request)
+    done = torchrun(tmp_path, *STEPS_COMPARED, "data.batch_size=64", "data.num_workers=2",
+                    f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "run"
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path, large_batch_run):
     """Two micro-batches of 32 with the sync only on the second (DDP no_sync) take the same step
     as one batch of 64: the sampler cuts the same shuffled order into halves."""
-    common = ("trainer.max_steps=20", "trainer.checkpoint_every=20")
-    large = torchrun(tmp_path, *common, "data.batch_size=64", f"hydra.run.dir={tmp_path / 'large'}")
     accumulated = torchrun(
-        tmp_path, *common, "data.batch_size=32", "trainer.grad_accumulation=2",
+        tmp_path, *STEPS_COMPARED, "data.batch_size=32", "trainer.grad_accumulation=2",
         f"hydra.run.dir={tmp_path / 'accumulated'}",
     )  # fmt: skip
-    assert large.returncode == 0, large.stderr[-3000:]
     assert accumulated.returncode == 0, accumulated.stderr[-3000:]
     difference = max_difference(
-        final_weights(tmp_path / "large"), final_weights(tmp_path / "accumulated")
+        final_weights(large_batch_run), final_weights(tmp_path / "accumulated")
     )
     assert difference < 1e-5
     assert [row["step"] for row in read_metrics(tmp_path / "accumulated")] == [20]
 
 
-def test_batches_cut_on_the_device_are_the_ones_the_loader_gives(tmp_path):
-    common = ("trainer.max_steps=30", "trainer.checkpoint_every=30")
-    loader = torchrun(
-        tmp_path, *common, "data.num_workers=2", f"hydra.run.dir={tmp_path / 'loader'}"
-    )
+def test_batches_cut_on_the_device_are_the_ones_the_loader_gives(tmp_path, large_batch_run):
     on_device = torchrun(
-        tmp_path, *common, "data.on_device=true", f"hydra.run.dir={tmp_path / 'on_device'}"
-    )
-    assert loader.returncode == 0, loader.stderr[-3000:]
+        tmp_path, *STEPS_COMPARED, "data.batch_size=64", "data.on_device=true",
+        f"hydra.run.dir={tmp_path / 'on_device'}",
+    )  # fmt: skip
     assert on_device.returncode == 0, on_device.stderr[-3000:]
     assert (
-        max_difference(final_weights(tmp_path / "loader"), final_weights(tmp_path / "on_device"))
-        == 0
+        max_difference(final_weights(large_batch_run), final_weights(tmp_path / "on_device")) == 0
     )
 
 
@@ -209,19 +212,6 @@ def test_loader_workers_survive_sigterm_from_the_moment_they_fork():
     assert not signal_mask(os.getpid(), "SigBlk") & sigterm  # the trainer still hears it
 
 
-def test_checkpoints_off_writes_none_and_metrics_carry_the_step_time(tmp_path):
-    run_dir = tmp_path / "run"
-    done = torchrun(
-        tmp_path, "trainer.max_steps=20", "trainer.log_every=10", "trainer.checkpoint_every=0",
-        f"hydra.run.dir={run_dir}",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert not (run_dir / "checkpoints").exists()
-    rows = read_metrics(run_dir)
-    assert [row["step"] for row in rows] == [10, 20]
-    assert all(row["step_time_ms"] > 0 for row in rows)
-
-
 def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
     """model=gpt on data=tokens: each next token is a fixed function of the one before plus one
     of NOISE values, so the loss falls from log(vocab) to near log(NOISE), never under it."""
@@ -242,15 +232,15 @@ def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
 
 def test_every_launch_mode_names_its_run_dir_the_same_way(tmp_path):
     """A sortable start time and a short id, agreed by every rank: under the launcher, under
-    torchrun alone, under plain python, and for a -m sweep (numbered runs below it)."""
+    plain python, and for a -m sweep (numbered runs below it); torchrun alone:
+    test_two_processes_learn_in_one_run_dir."""
     import subprocess
     import sys
 
     from conftest import PACKAGE, RUN_NAME, launch
 
     launches = {
-        "launcher": lambda cwd: launch(cwd, "trainer.max_steps=2"),
-        "torchrun": lambda cwd: torchrun(cwd, "trainer.max_steps=2"),
+        "launcher": lambda cwd: launch(cwd, "--nproc-per-node", "1", "trainer.max_steps=2"),
         "python": lambda cwd: subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=2"],
                                              cwd=cwd, capture_output=True, text=True, timeout=240),
         "sweep": lambda cwd: subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", "-m", "trainer.max_steps=1,2"],
