@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,51 @@ def default_project(tmp_path_factory) -> Path:
 def installed_default(default_project, tmp_path_factory) -> Path:
     """The default project installed non-editably; put it on PYTHONPATH to use it."""
     return install(default_project, tmp_path_factory.mktemp("site"))
+
+
+SUITE_TEST = "test_generated_projects_own_tests_pass_and_skip_only_gpu_tests"
+
+
+def files_of(project: Path) -> dict[str, bytes]:
+    """The project's files, as a user's checkout holds them: not pip's build output or caches."""
+    skip = {"build", "__pycache__", ".pytest_cache"}
+    return {
+        str(path.relative_to(project)): path.read_bytes()
+        for path in project.rglob("*")
+        if path.is_file() and not skip & set(path.parts) and ".egg-info" not in str(path)
+    }
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The test that reads the generated project's suite goes last: the suite starts with the
+    session (generated_suite), and the template's other tests run beside it, not before it."""
+    items.sort(key=lambda item: item.name == SUITE_TEST)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def generated_suite(request, tmp_path_factory):
+    """The default project's own tests, started as the session starts where SUITE_TEST is
+    selected: they keep both cores busy for minutes, and the rest of the template's tests (a
+    minute and a half of CPU, a third of it waiting) would otherwise add their time to it.
+    Their output goes to a file that SUITE_TEST streams; their report to junit.xml beside it."""
+    if not any(item.name == SUITE_TEST for item in request.session.items):
+        yield None
+        return
+    project = request.getfixturevalue("default_project")
+    site = request.getfixturevalue("installed_default")
+    folder = tmp_path_factory.mktemp("generated-suite")
+    before = files_of(project)
+    with (folder / "output.txt").open("w") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={folder / 'junit.xml'}"],
+            cwd=project, env=env_with_path(site), stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    yield SimpleNamespace(process=process, output=folder / "output.txt", report=folder / "junit.xml",
+                          project=project, before=before)  # fmt: skip
+    if process.poll() is None:  # the session ended early: nothing the suite started outlives it
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @pytest.fixture(scope="session")

@@ -5,39 +5,41 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from xml.etree import ElementTree
 
 import pytest
-from conftest import env_with_path
+from conftest import env_with_path, files_of
 
 # The only skip a machine without 2 GPUs may show: the tests marked gpu.
 GPU_SKIP = "needs 2 CUDA devices"
 
 
-@pytest.mark.timeout(1500)  # 10 min on 2 idle cores, 13.5 with a CPU hog (the README's testing section)
-def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(
-    default_project, installed_default, tmp_path, capsys
-):
-    """The suite's own lines stream to the terminal as each test ends: minutes of it never
-    look like a hang."""
-    report = tmp_path / "junit.xml"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={report}"],
-        cwd=default_project, env=env_with_path(installed_default), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+@pytest.mark.timeout(1500)  # the README's testing section says how long it takes
+def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(generated_suite, capsys):
+    """The suite runs from the session's start (conftest.generated_suite); its lines stream to
+    the terminal here, those already written at once, then each as its test ends."""
+    process = generated_suite.process
     output = []
     try:
-        with capsys.disabled():
+        with capsys.disabled(), generated_suite.output.open() as lines:
             print("\n--- the generated project's tests ---", flush=True)
-            for line in process.stdout:
-                output.append(line)
-                print("    " + line, end="", flush=True)
+            while True:
+                start, running = lines.tell(), process.poll() is None
+                line = lines.readline()
+                if line.endswith("\n") or (line and not running):
+                    output.append(line)
+                    print("    " + line, end="", flush=True)
+                elif running:  # nothing new, or half a line: wait for the rest
+                    lines.seek(start)
+                    time.sleep(0.2)
+                else:
+                    break
     finally:
         if process.poll() is None:  # the timeout: nothing it started outlives this test
             os.killpg(process.pid, signal.SIGKILL)
     assert process.wait() == 0, "".join(output[-200:])
-    cases = ElementTree.parse(report).getroot().iter("testcase")
+    cases = ElementTree.parse(generated_suite.report).getroot().iter("testcase")
     skipped = {
         f"{case.get('classname')}.{case.get('name')}": skip.get("message", "")
         for case in cases
@@ -45,6 +47,11 @@ def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(
     }
     unexpected = {name: why for name, why in skipped.items() if GPU_SKIP not in why}
     assert unexpected == {}, unexpected
+    # make test leaves the user's project as it was: no config rewritten, no stray files
+    after = files_of(generated_suite.project)
+    changed = sorted(name for name in after.keys() | generated_suite.before.keys()
+                     if after.get(name) != generated_suite.before.get(name))  # fmt: skip
+    assert changed == []
 
 
 def test_torchrun_trains_from_another_directory(installed_default, tmp_path):
