@@ -113,6 +113,27 @@ def test_out_outside_the_project_is_refused_unless_forced(tmp_path):
     assert (out / "runs-pvc.yaml").exists()
 
 
+def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypatch):
+    """k8s/ is rendered on a laptop or in CI for a GPU cluster: no torch import, no GPU check."""
+    out = tmp_path / "k8s"
+    blocked = "import sys; sys.modules['torch'] = None"  # `import torch` raises from here on
+    render = f"{blocked}; from {PACKAGE}.k8s import main; sys.argv[1:] = ['--force', '--out', {str(out)!r}]; sys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-c", render], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (out / "job.yaml").exists()
+    import torch
+
+    from {{ cookiecutter.package }}.check import load_config
+    from {{ cookiecutter.package }}.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert load_config(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        load_config(["dist.backend=nccl"])  # what train and the launcher check
+
+
 def deploy_of(compose_train, *overrides: str) -> dict:
     cfg = OmegaConf.to_object(compose_train(*overrides))  # checked, as k8s.main does
     return OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
