@@ -48,11 +48,21 @@ def stderr_lines(done: subprocess.CompletedProcess) -> list[str]:
         (["-m", "x"], f"{launcher.COMMAND} train: -m: the launcher runs -m {PACKAGE}.train itself"),
     ],
 )
-def test_a_bad_argument_is_one_line_before_any_worker_starts(tmp_path, args, line):
-    done = launch(tmp_path, *args)
-    assert done.returncode == 2
-    assert stderr_lines(done) == [stderr_lines(done)[0]] and stderr_lines(done)[0].startswith(line)
-    assert done.stdout == "" and list(tmp_path.iterdir()) == []  # no run dir, no worker output
+def test_a_bad_argument_is_one_line_before_any_worker_starts(
+    tmp_path, monkeypatch, capsys, args, line
+):
+    """In this process (a launch costs seconds of CPU); the console script's own refusals, in
+    test_rundir.py."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = launcher.main(["train", *args])
+    except SystemExit as stop:  # config.exit_with_error
+        code = stop.code
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith(line)
+    assert out == "" and list(tmp_path.iterdir()) == []  # no run dir, no worker output
 
 
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():

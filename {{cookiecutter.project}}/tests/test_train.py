@@ -221,8 +221,8 @@ def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
 
     done = torchrun(
         tmp_path, "model=gpt", "data=tokens", "model.d_model=64", "model.n_layer=2",
-        "data.seq_len=32", "data.vocab_size=64", "trainer.lr=0.01", "trainer.max_steps=100",
-        "trainer.log_every=25", "hydra.run.dir=run",
+        "data.seq_len=32", "data.vocab_size=64", "trainer.lr=0.01", "trainer.max_steps=60",
+        "trainer.log_every=20", "hydra.run.dir=run",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
