@@ -29,13 +29,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpus"))
             continue
-        shared = [
-            name
+        if any(
+            fixture.scope == "module"
             for name in item.fixturenames
             for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())[-1:]
-            if fixture.scope == "module"
-        ]
-        if shared:
+        ):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

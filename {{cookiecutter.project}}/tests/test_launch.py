@@ -27,8 +27,8 @@ from {{ cookiecutter.package }} import launch as launcher
 TORCHRUN = get_args_parser()
 
 
-def stderr_lines(done: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in done.stderr.splitlines() if line.strip()]
+def stderr_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(
     except SystemExit as stop:  # config.exit_with_error
         code = stop.code
     out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = stderr_lines(err)
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith(line)
     assert out == "" and list(tmp_path.iterdir()) == []  # no run dir, no worker output
@@ -98,7 +98,7 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(good_r
     done = launch(tmp_path, "trainer.max_steps=60", "trainer.lr=1e30",
                   "trainer.accept_changes=[trainer.lr]", *COMMON)  # fmt: skip
     assert done.returncode == 4
-    assert stderr_lines(done) == [
+    assert stderr_lines(done.stderr) == [
         "training diverged: step 25: the loss is not finite; nothing was saved from it. Lower "
         "trainer.lr (now 1e+30) or set trainer.max_grad_norm, and resume from step_000000020.pt: "
         "relaunch with the same hydra.run.dir, the new value and trainer.accept_changes=[trainer.lr]"

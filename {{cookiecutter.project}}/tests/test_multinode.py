@@ -24,7 +24,6 @@ import pytest
 import torch
 import yaml
 from conftest import launcher_bin, read_metrics, worker_pids
-from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import check, k8s
 
@@ -135,10 +134,7 @@ def rendered_pods(flavor: str, gpus: int) -> dict:
         [f"deploy.flavor={flavor}", f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"],
         this_node=False,
     )
-    deploy, profile = (
-        OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True)
-        for node in (config.deploy, config.nccl)
-    )
+    deploy, profile = k8s.deploy_and_profile(config)
     manifest = yaml.safe_load(k8s.manifests(deploy, k8s.nccl_env(profile))[f"{flavor}.yaml"])
     if flavor == "trainjob":  # Trainer's torch plugin makes the container from spec.trainer
         return manifest, manifest["spec"]["trainer"]

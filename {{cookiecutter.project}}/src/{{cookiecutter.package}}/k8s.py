@@ -832,9 +832,18 @@ def outside_project(out: Path) -> str | None:
     return f"--out {out}: outside this project ({root}); pass --force to write there"
 
 
-def main() -> int:
+def deploy_and_profile(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checked config's deploy group and NCCL profile as plain values, as manifests() takes them."""
     from omegaconf import OmegaConf
 
+    deploy, profile = (
+        OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True)
+        for node in (config.deploy, config.nccl)
+    )
+    return deploy, profile
+
+
+def main() -> int:
     from {{ cookiecutter.package }} import check
 
     parser = argparse.ArgumentParser(
@@ -855,8 +864,7 @@ def main() -> int:
     folder = source if (source / "train.yaml").is_file() else None
     # deploy_errors() included: exit 2, one line. The pods' GPUs are not this machine's.
     cfg = check.load_or_exit(args.overrides, folder, this_node=False)
-    deploy = OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
-    profile = OmegaConf.to_container(OmegaConf.structured(cfg.nccl), enum_to_str=True)
+    deploy, profile = deploy_and_profile(cfg)
     rendered = manifests(deploy, nccl_env(profile))
     command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if args.out != Path("k8s") else "")
     if args.check:
