@@ -119,17 +119,21 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.start)
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # torchrun's and Kubernetes'; Ctrl-C's
+
+
 def ignore_sigterm(worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM to the trainer, which stops at a step and checkpoints;
-    they end with it."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """DataLoader workers leave SIGTERM and SIGINT (Ctrl-C reaches the whole process group) to
+    the trainer, which stops at a step and checkpoints; they end with it."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def epoch_batches(loader: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[tuple[torch.Tensor, ...]]:
-    """iter(loader) with SIGTERM blocked while it forks the workers: a SIGTERM between a fork and
-    ignore_sigterm would kill the worker, and the trainer with it. A worker keeps the signal
-    blocked, then ignored; the trainer gets any that came meanwhile once it is unblocked."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """iter(loader) with SIGTERM and SIGINT blocked while it forks the workers: one between a
+    fork and ignore_sigterm would kill the worker, and the trainer with it. A worker keeps the
+    signals blocked, then ignored; the trainer gets any that came meanwhile once it unblocks."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)
     finally:
