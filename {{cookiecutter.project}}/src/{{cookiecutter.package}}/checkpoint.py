@@ -9,15 +9,19 @@ A relaunch with the same run dir resumes from the newest one that reads back.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import random
 import re
 import signal
+import socket
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,6 +66,11 @@ class Incompatible(Exception):
     """A checkpoint that cannot be loaded into this run's model or optimizer; one line."""
 
 
+class CheckpointFailed(Exception):
+    """Rank 0 could not write a checkpoint (a full disk); every rank raises it, with rank 0's
+    cause as one line."""
+
+
 class Diverged(RuntimeError):
     """A loss, gradient norm or weights that are inf or nan. The run stops, and nothing is saved
     from that state: the checkpoints on disk are the good ones."""
@@ -69,6 +78,15 @@ class Diverged(RuntimeError):
     def __init__(self, step: int, what: str) -> None:
         super().__init__(f"step {step}: {what} is not finite")
         self.step, self.what = step, what
+
+
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """An exception, then the ones it was raised from or during, innermost last."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -234,22 +252,53 @@ class Checkpointer:
         if not all_finite(model):  # identical on every rank under DDP: all stop together
             raise Diverged(step, "a weight")
         rng = self.gather_rng_states()
+        path = self.directory / f"step_{step:09d}.pt"
         # Disk I/O, not a stalled collective: the others wait for it on the CPU group (whose
         # timeout is dist.checkpoint_timeout_s), with no GPU collective pending meanwhile.
         with self.watchdog.paused():
+            failure = None
             if self.world.main:
-                state = {key: stateful.state_dict() for key, stateful in self.states.items()}
-                state |= {"step": step, "rng": rng, "config": self.config}
-                state["world_size"] = self.world.size
-                path = self.directory / f"step_{step:09d}.pt"
-                self.directory.mkdir(parents=True, exist_ok=True)
-                write_atomically(state, path)
-                self.readable[self.identity(path)] = True
-                self.newest = path
-                log.info("checkpoint %s", path.relative_to(self.run_dir))
-                self.purge(written=path)
-            if self.world.size > 1:
-                dist.barrier(group=self.group)
+                try:
+                    self.write_here(path, step, rng)
+                except Exception as err:  # the others must hear of it, not of a broken barrier
+                    failure = self.failure(path, err)
+            if self.world.size > 1:  # rank 0 is done: how it went, in place of a barrier
+                outcome = [failure]
+                dist.broadcast_object_list(outcome, src=0, group=self.group)
+                failure = outcome[0]
+        if failure:
+            raise CheckpointFailed(failure)
+
+    def write_here(self, path: Path, step: int, rng: list[dict[str, Any]]) -> None:
+        state = {key: stateful.state_dict() for key, stateful in self.states.items()}
+        state |= {"step": step, "rng": rng, "config": self.config}
+        state["world_size"] = self.world.size
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_atomically(state, path)
+        self.readable[self.identity(path)] = True
+        self.newest = path
+        log.info("checkpoint %s", path.relative_to(self.run_dir))
+        self.purge(written=path)
+
+    def failure(self, path: Path, err: Exception) -> str:
+        """Rank 0's failed write as one line: the cause as the OS gave it (torch.save wraps an
+        OSError in a RuntimeError of its own), what is kept, what to do."""
+        cause = next((e for e in causes(err) if isinstance(e, OSError)), err)
+        reason = " ".join(str(cause).split())[:300] or type(cause).__name__
+        kept = (
+            f"{self.newest.name}, the newest checkpoint before it, is kept"
+            if self.newest
+            else "no checkpoint was written before it"
+        )
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            todo = (
+                f"free space there and relaunch with hydra.run.dir={self.run_dir} to resume, or "
+                "move the run dir to a file system with room and relaunch with "
+                "hydra.run.dir=<its new place>"
+            )
+        else:
+            todo = f"fix that and relaunch with hydra.run.dir={self.run_dir} to resume"
+        return f"rank 0 could not write {path}: {reason}; {kept}; {todo}"
 
     def gather_rng_states(self) -> list[dict[str, Any]]:
         """Every rank's RNG state, in rank order."""
@@ -303,63 +352,203 @@ class Checkpointer:
         self.preemption.close()
 
 
-EXCHANGE_EVERY_S = 0.25  # how often the ranks compare notes on SIGTERM
+EXCHANGE_EVERY_S = 0.25  # how often the ranks compare notes on a stop signal
+MAX_INTERVAL = 10_000  # steps between exchanges, at most
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # Kubernetes and torchrun; Ctrl-C
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, from a worker's start to its end; one per process (SIGNALS).
+
+    While steps run (inside deferred()), a signal is a request: Preemption turns it into a step
+    that every rank agrees to stop at, with a checkpoint there. Before the first step and after
+    the last there is nothing to save, so the process ends at once, with one line from rank 0.
+    That exit comes from a thread woken by the signal itself (a wakeup fd): Python runs handlers
+    in the main thread only, and that may wait in C for long (a rendezvous, the gate).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first stop signal received
+        self.depth = 0  # deferred() nesting: > 0 while steps run
+        self.stepped = False  # a deferred() block has ended: "after", not "before"
+        self.run_dir: Path | None = None  # named in the line, once known
+        self.main = True  # whether this process prints the line (global rank 0)
+        self.previous: dict[int, Any] | None = None
+        self.previous_wakeup = -1
+        self.writer: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.received = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process the signal ended: 143, 130."""
+        return 128 + (self.signum or signal.SIGTERM)
+
+    def install(self, main: bool = True) -> bool:
+        """Take SIGTERM and SIGINT (main thread only). False if they were taken already."""
+        if self.previous is not None:
+            return False
+        reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
+        self.previous = {signum: signal.signal(signum, self.handle) for signum in STOP_SIGNALS}
+        self.main = main
+        watcher = threading.Thread(target=self.watch, args=(reader,), name="stop-signals")
+        watcher.daemon = True
+        watcher.start()
+        return True
+
+    def uninstall(self) -> None:
+        """Hand the signals back (in-process users: bench, tests)."""
+        if self.previous is None:
+            return
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self.previous_wakeup)
+        self.previous = None
+        self.writer.close()  # the watching thread reads the end and stops
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.note(signum)
+
+    def watch(self, reader: socket.socket) -> None:
+        with reader:
+            while data := reader.recv(64):  # a byte per signal; others' too (SIGCHLD)
+                for signum in data:
+                    if signum in STOP_SIGNALS:
+                        self.note(signum)
+
+    def note(self, signum: int) -> None:
+        with self.lock:
+            first = self.signum is None
+            if first:
+                self.signum = signum
+            now = self.depth == 0
+        self.received.set()
+        if now:
+            if self.main and first:  # a later signal: the first one's line is out already
+                log.warning(self.stopped_line())
+            os._exit(self.exit_code)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """While steps run: a signal waits for the ranks to agree on a step."""
+        with self.lock:
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                self.stepped = True
+
+    def stopped_line(self) -> str:
+        """For a stop with nothing new to save."""
+        when = "after the last step" if self.stepped else "before the first step"
+        go_on = f"; to go on, relaunch with hydra.run.dir={self.run_dir}" if self.run_dir else ""
+        return f"{self.name}: stopped {when}, nothing new to save{go_on}"
+
+    def explains(self, wait_s: float = 2.0) -> bool:
+        """Whether a stop signal came, waiting up to wait_s for one: a collective that failed
+        because a peer stopped for a signal that this process gets a moment later (torchrun
+        signals every worker) is no failure to report."""
+        return self.received.wait(timeout=wait_s)
+
+
+SIGNALS = StopSignals()
 
 
 class Preemption:
-    """SIGTERM asks to stop; agreed() makes every rank stop at the same step.
+    """A stop signal asks to stop; agreed() makes every rank stop at the same step.
 
-    The ranks exchange the flag on a CPU group: an all-reduce started at one exchange is read at
-    the next, so it runs in the background of the steps in between. Exchanges are `interval`
-    steps apart, an interval agreed in the exchange itself, so that they come about
-    EXCHANGE_EVERY_S apart whatever the step time: a stop follows the signal within about two
-    intervals, and a short step carries no per-step exchange.
+    start() asks every rank once before the first step. Then the ranks exchange the flag on a
+    CPU group: an all-reduce started at one exchange is read at the next, so it runs in the
+    background of the steps in between. Exchanges are `interval` steps apart, an interval agreed
+    in the exchange itself, so that they come about EXCHANGE_EVERY_S apart whatever the step
+    time: a stop follows the signal within about two intervals, and a short step carries no
+    per-step exchange. Each rank proposes an interval from the pace of the steps it ran since
+    the last exchange, never from steps a checkpoint brought in, and at most twice the steps it
+    measured: the interval grows from 1 as the pace is learnt, so a slow first step (a resume,
+    compile, loader workers starting) or a fast one misleads it by a factor 2 at most.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, world: World) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, world: World, signals: StopSignals = SIGNALS
+    ) -> None:
         self.group = group  # a CPU (gloo) group: the exchange costs no GPU synchronisation
-        self.world = world
-        self.requested = False
+        self.world, self.signals = world, signals
         self.pending: dist.Work | None = None
         self.flag = torch.zeros(2, dtype=torch.int64)
         self.next_exchange: int | None = None  # the step of the next exchange
-        self.last = (0, time.monotonic())  # step and time of the last exchange
-        self.previous_handler = signal.signal(signal.SIGTERM, self.request)
+        self.last: tuple[int, float] | None = None  # step and time of the last exchange
+        self.steps: ExitStack | None = None  # while steps run: installed, deferred
 
-    def request(self, signum: int, frame: Any) -> None:
-        self.requested = True
+    @property
+    def requested(self) -> bool:
+        return self.signals.requested
+
+    def start(self, step: int) -> bool:
+        """Before the first step (`step` done): whether a rank was asked to stop already, in one
+        blocking exchange. From here on a signal waits for agreed()."""
+        self.steps = ExitStack()
+        if self.signals.install(main=self.world.main):
+            self.steps.callback(self.signals.uninstall)
+        self.steps.enter_context(self.signals.deferred())
+        stop = self.signals.requested
+        if self.world.size > 1:
+            flag = torch.tensor([int(stop)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            stop = bool(flag.item())
+        self.last, self.next_exchange = (step, time.monotonic()), step + 1
+        return stop
 
     def agreed(self, step: int) -> bool:
         """Every rank calls this after every step; all get True at the same step."""
         if self.world.size == 1:
-            return self.requested
+            return self.signals.requested
         if self.next_exchange is not None and step < self.next_exchange:
             return False
         interval = 1
         if self.pending is not None:
             self.pending.wait()
+            self.pending = None
             stop, negative_interval = self.flag.tolist()
             if stop:
-                self.pending = None
                 return True
             interval = -negative_interval
         # Propose the next interval from this rank's pace; the all-reduce takes the smallest
         # proposal (MAX of the negatives) and the stop flag of any rank, in one message.
-        last_step, last_time = self.last
-        pace = (step - last_step) / max(time.monotonic() - last_time, 1e-6)  # steps per second
-        proposal = max(1, min(10_000, math.floor(pace * EXCHANGE_EVERY_S)))
-        self.last = (step, time.monotonic())
-        self.flag = torch.tensor([int(self.requested), -proposal], dtype=torch.int64)
+        now, proposal = time.monotonic(), 1
+        if self.last is not None:
+            last_step, last_time = self.last
+            done = step - last_step
+            pace = done / max(now - last_time, 1e-6)  # steps per second
+            proposal = max(1, min(MAX_INTERVAL, 2 * done, math.floor(pace * EXCHANGE_EVERY_S)))
+        self.last = (step, now)
+        self.flag = torch.tensor([int(self.signals.requested), -proposal], dtype=torch.int64)
         self.pending = dist.all_reduce(
             self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
         )
         self.next_exchange = step + interval
         return False
 
-    def close(self) -> None:
-        """Finish the exchange in flight before the group is used for anything else, and hand
-        SIGTERM back."""
-        if self.pending is not None:
-            self.pending.wait()
+    def close(self, wait: bool = True) -> None:
+        """Finish the exchange in flight before the group is used for anything else (unless
+        the run failed: a peer may never answer it); from here on a signal ends the process at
+        once, with nothing left to save."""
+        try:
+            if self.pending is not None and wait:
+                self.pending.wait()
             self.pending = None
-        signal.signal(signal.SIGTERM, self.previous_handler)
+        finally:
+            if self.steps is not None:
+                self.steps.close()
+                self.steps = None

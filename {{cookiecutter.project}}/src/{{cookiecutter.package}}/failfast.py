@@ -257,11 +257,12 @@ Next:
   NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET {launch}""",
     Cause.peer_died: """\
 Another process of this run ended while this one waited for it: its connection closed. The
-transport is not in question. torchrun's summary names the process that ended first, with its
-exit code or signal. Likely causes, most likely first:
-  1. It was killed: out of memory (dmesg; on Kubernetes, kubectl describe pod shows OOMKilled),
-     or its pod or node went away.
-  2. It failed: its own error is printed above, before this block.
+transport is not in question, and why it ended is not known here:
+torchrun's summary names the process that ended first, with its exit code or signal.
+  - An error printed above this block, from that process: that error is the cause.
+  - SIGKILL: it was killed from outside: out of memory (dmesg; on Kubernetes, kubectl describe
+    pod shows OOMKilled), its pod or node went away, or torchrun ended it 30 s after a SIGTERM.
+  - 143 or 130 (SIGTERM, SIGINT): it was asked to stop.
 
 Next:
   kubectl describe pod <pod>; kubectl logs <pod> --previous   # on Kubernetes

@@ -42,6 +42,7 @@ from {{ cookiecutter.package }}.world import World
 log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2  # as check.py's: the Job's podFailurePolicy fails at once on it
 EXIT_DIVERGED = 4
+EXIT_CHECKPOINT_FAILED = 5  # rank 0 could not write a checkpoint (a full disk): its line says why
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
 
 
@@ -174,11 +175,16 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: list[str]) -> None:
     world = World.from_env()
+    signals = checkpoint.SIGNALS  # installed in __main__: until the steps run, a stop is at once
+    signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)
     device = select_device(cfg, world)
     init_process_group(cfg, world, device)
 
     def fail(failure: failfast.CollectiveFailure) -> NoReturn:
+        # A peer that ended for a stop signal this process gets too (torchrun signals them all).
+        if signals.explains(wait_s=2.0 if failure.cause is failfast.Cause.peer_died else 0.0):
+            stop_quietly(signals, world)
         report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
         logging.shutdown()
         # No destroy_process_group here: on a wedged communicator it can hang for good.
@@ -196,14 +202,17 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
                 "%s run %s: world size %d, backend %s, gate all-reduce passed, run dir %s",
                 PROJECT, run_dir.name, world.size, dist.get_backend(), run_dir,
             )  # fmt: skip
-            metrics.save_config(cfg, run_dir, overrides)
             if device.type == "cpu":
                 report_cpu_settings(cfg)
         control = control_group(cfg, world)
         trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
         try:
-            if trainer.train():  # stopped by SIGTERM, after a checkpoint
-                exit_code = checkpoint.EXIT_PREEMPTED
+            trainer.resume()  # before config.yaml: a refused resume leaves the run's as it was
+            with signals.deferred():  # a signal now waits for train() to agree on a step
+                if world.main:
+                    metrics.save_config(cfg, run_dir, overrides)
+                if trainer.train():  # stopped by a signal: after a checkpoint, or before a step
+                    end_now(signals.exit_code)
         except checkpoint.Diverged as err:
             if world.main:
                 report_divergence(err, cfg, trainer.checkpointer.newest)
@@ -212,6 +221,10 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
             if world.main:
                 print(f"config error: {err}", file=sys.stderr, flush=True)
             exit_code = EXIT_CONFIG_ERROR
+        except checkpoint.CheckpointFailed as err:  # every rank hears it from rank 0
+            if world.main:
+                print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
+            exit_code = EXIT_CHECKPOINT_FAILED
         del trainer
         gc.collect()  # drop DDP's reducer and the DataLoader workers before the barrier
         dist.barrier()
@@ -231,6 +244,23 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
         sys.exit(exit_code)
 
 
+def end_now(code: int) -> NoReturn:
+    """After a stop the ranks agreed on: the checkpoint is written and every rank knows it, and
+    nothing else is worth the grace period (the plot, the seconds of interpreter teardown)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_quietly(signals: checkpoint.StopSignals, world: World) -> NoReturn:
+    """A collective failed because a peer stopped for a stop signal, which reached this process
+    too: that is the stop, not a failure to explain. Rank 0 says so in one line."""
+    if world.main:
+        log.warning(signals.stopped_line())
+    end_now(signals.exit_code)
+
+
 register_configs()  # the schema and resolvers must exist before Hydra composes
 
 
@@ -247,4 +277,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    checkpoint.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
     main()

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.package }} import ddp, metrics
-from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
+from {{ cookiecutter.package }}.checkpoint import Checkpointer, CheckpointFailed, Diverged, Progress
 from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
 from {{ cookiecutter.package }}.data import build_dataset, build_loader, epoch_batches
 from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
@@ -136,12 +136,32 @@ class Trainer:
             watchdog=watchdog,
         )
         self.window = Window(device, step=0)
+        self.resumed = False
 
     def train(self) -> bool:
-        """Train to trainer.max_steps from the newest checkpoint. True if SIGTERM stopped it
-        (after a checkpoint at that step)."""
-        self.resume()
+        """Train to trainer.max_steps from the newest checkpoint (resume() first, unless called
+        already). True if a stop signal (SIGTERM, SIGINT) stopped it: after a checkpoint at the
+        step every rank agreed on, or before the first step, with nothing new to save."""
+        if not self.resumed:
+            self.resume()
+        try:
+            stopped = self.run_steps()
+        except (Diverged, CheckpointFailed):
+            self.checkpointer.close()  # every rank stops at the same step: the exchange ends
+            raise
+        except BaseException:
+            self.checkpointer.preemption.close(wait=False)  # a peer may never answer it
+            raise
+        self.checkpointer.close()
+        return stopped
+
+    def run_steps(self) -> bool:
         max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
+        preemption = self.checkpointer.preemption
+        if preemption.start(self.progress.step):  # asked to stop already
+            if self.world.main:
+                log.warning(preemption.signals.stopped_line())
+            return True
         batches = self.batches()
         record = metrics.RunRecord(
             self.run_dir,
@@ -152,28 +172,25 @@ class Trainer:
             self.checkpointer.config,
         )
         self.window = Window(self.device, self.progress.step)
-        try:
-            with record:  # on an error or SIGTERM too: the bar stops and the files close
-                while self.progress.step < max_steps:
-                    step = self.progress.step + 1
-                    log_now = self.ends_window(step)
-                    self.step([next(batches) for _ in range(accumulation)], log_now)
-                    self.progress.step = step
-                    self.watchdog.beat()
-                    record.step(step)
-                    if log_now:
-                        record.write(self.log_row(step))
-                    self.checkpointer.save(step, last_step=step == max_steps)
-                    if self.checkpointer.preempted:
-                        self.stop_for_sigterm(step)
-                        break
-        except Diverged:
-            self.checkpointer.close()  # every rank stops at the same step: the exchange ends
-            raise
-        self.checkpointer.close()
-        return self.checkpointer.preempted
+        with record:  # on an error or a stop too: the bar stops and the files close
+            while self.progress.step < max_steps:
+                step = self.progress.step + 1
+                log_now = self.ends_window(step)
+                self.step([next(batches) for _ in range(accumulation)], log_now)
+                self.progress.step = step
+                self.watchdog.beat()
+                record.step(step)
+                if log_now:
+                    record.write(self.log_row(step))
+                self.checkpointer.save(step, last_step=step == max_steps)
+                if self.checkpointer.preempted:
+                    self.report_stop(step)
+                    return True
+        return False
 
     def resume(self) -> None:
+        """Load the newest checkpoint, if there is one; Incompatible if it does not fit."""
+        self.resumed = True
         state = self.checkpointer.load()
         if state is None:
             return
@@ -283,10 +300,11 @@ class Trainer:
             "world_size": self.world.size,
         }
 
-    def stop_for_sigterm(self, step: int) -> None:
+    def report_stop(self, step: int) -> None:
         if self.world.main:
             log.warning(
-                "SIGTERM: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
+                "%s: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
+                self.checkpointer.preemption.signals.name,
                 step,
                 " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)",
                 self.run_dir,
