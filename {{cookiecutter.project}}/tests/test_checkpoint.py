@@ -1,12 +1,16 @@
-"""The Checkpointer and the loop's guards, in-process with one CPU process (no process group):
-what is kept, what is never deleted, and that non-finite numbers stop a run or skip a step
-without touching a good checkpoint."""
+"""The Checkpointer and the loop's guards, in-process with one CPU process (no process group, or
+a gloo group of one): what is kept, what is never deleted, that non-finite numbers stop a run or
+skip a step without touching a good checkpoint, and how a stop signal is agreed on."""
 
+import errno
 import logging
 import math
+import os
+import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import checkpoint
@@ -152,3 +156,134 @@ def test_progress_round_trips_through_its_state():
     restored = Progress()
     restored.load_state_dict(progress.state_dict())
     assert restored == progress and checkpoint.step_of(checkpoint.Path("step_000000042.pt")) == 42
+
+
+# --- stopping on a signal -----------------------------------------------------------------
+
+
+@pytest.fixture
+def lone_group():
+    """A gloo group of this process alone: the exchange runs for real, with one voice."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def stop_delay(monkeypatch, group, step_times: list[float], signal_at: int) -> float:
+    """Seconds, on a fake clock, from a SIGTERM before step `signal_at` (0: the first) of a run
+    resumed at step 4000 to the end of the step every rank agrees to stop at."""
+    clock, signals = FakeClock(), checkpoint.StopSignals()
+    monkeypatch.setattr(checkpoint, "time", clock)
+    preemption = checkpoint.Preemption(group, World(size=2), signals)  # the exchange path
+    clock.now += 3  # loading the checkpoint, starting the loader: no steps
+    resumed = 4000
+    assert preemption.start(resumed) is False
+    try:
+        for i, seconds in enumerate(step_times):
+            if i == signal_at:
+                signals.signum, signalled = signal.SIGTERM, clock.now
+            clock.now += seconds
+            if preemption.agreed(resumed + i + 1):
+                return clock.now - signalled
+    finally:
+        preemption.close()
+    raise AssertionError("never stopped")
+
+
+def test_after_a_resume_a_stop_comes_within_two_exchange_periods(monkeypatch, lone_group):
+    """The pace counts only steps run in this process: the old one counted every step since 0
+    as just done, and after a resume at 4000 put the next exchange thousands of steps away."""
+    steady = [0.005] * 5000
+    delays = [stop_delay(monkeypatch, lone_group, steady, at) for at in range(0, 1500, 37)]
+    assert max(delays) <= 2 * checkpoint.EXCHANGE_EVERY_S + 0.005
+
+
+def test_a_slow_or_fast_start_misleads_the_interval_by_little(monkeypatch, lone_group):
+    """Step times change as a run warms up (compile, loader workers starting) or as a GPU's
+    queue fills: the interval grows at most twofold per exchange, from 1."""
+    slow_start = [2.0] * 3 + [0.002] * 5000
+    assert stop_delay(monkeypatch, lone_group, slow_start, 0) <= 2 * 2.0  # two slow steps
+    after = [stop_delay(monkeypatch, lone_group, slow_start, at) for at in range(3, 1500, 37)]
+    assert max(after) <= 2 * checkpoint.EXCHANGE_EVERY_S + 0.01
+    fast_then_slow = [0.0001] * 300 + [0.01] * 3000
+    delays = [stop_delay(monkeypatch, lone_group, fast_then_slow, at) for at in range(0, 900, 13)]
+    assert max(delays) <= 2.5
+
+
+def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_for, caplog):
+    trainer_for("trainer.max_steps=5", "trainer.checkpoint_every=5").train()
+    resumed = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
+    signals = resumed.checkpointer.preemption.signals = checkpoint.StopSignals()
+    signals.signum = signal.SIGTERM  # came while the checkpoint loaded
+    with caplog.at_level(logging.WARNING):
+        assert resumed.train() is True
+    assert resumed.progress.step == 5 and names(resumed.run_dir) == ["step_000000005.pt"]
+    assert "SIGTERM: stopped before the first step, nothing new to save" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
+
+
+def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
+    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=0")
+    signals = trainer.checkpointer.preemption.signals = checkpoint.StopSignals()
+    step = trainer.step
+
+    def step_then_ctrl_c(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.progress.step == 2:  # during step 3
+            signal.raise_signal(signal.SIGINT)
+
+    trainer.step = step_then_ctrl_c
+    with caplog.at_level(logging.WARNING):
+        assert trainer.train() is True
+    assert trainer.progress.step == 3 and signals.exit_code == 130
+    assert "SIGINT: stopped at step 3 (checkpoints are off)" in caplog.text
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+
+class FullDisk:
+    """A file on a file system with `room` bytes left: writes beyond it fail as the OS fails
+    them (torch.save then raises a RuntimeError of its own during the OSError)."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def test_a_full_disk_is_named_as_the_cause_and_the_good_checkpoints_stay(tmp_path, monkeypatch):
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2))
+    saver.write(10)
+    good = (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes()
+    fdopen = os.fdopen
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda *a: FullDisk(fdopen(*a), room=600))
+    with pytest.raises(checkpoint.CheckpointFailed) as failed:
+        saver.write(20)
+    message = str(failed.value)
+    assert "could not write" in message and "step_000000020.pt" in message
+    assert "[Errno 28] No space left on device" in message  # not torch's "unexpected pos"
+    assert "step_000000010.pt, the newest checkpoint before it, is kept" in message
+    assert f"free space there and relaunch with hydra.run.dir={tmp_path}" in message
+    assert names(tmp_path) == ["step_000000010.pt"]  # the partial write is gone
+    assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
