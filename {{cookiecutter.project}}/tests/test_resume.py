@@ -17,7 +17,6 @@ from conftest import (
     shared_folder,
     torchrun,
     train_command,
-    wait_for_metrics,
     worker_pid,
 )
 
@@ -86,22 +85,177 @@ def launch(tmp_path, *overrides: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # DataLoader workers must not die of torchrun's SIGTERM
-def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_there(tmp_path, workers):
-    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=100000",
-                     f"data.num_workers={workers}")  # fmt: skip
-    wait_for_metrics(process, tmp_path / "run")
-    process.send_signal(signal.SIGTERM)  # what Kubernetes sends to the container's PID 1
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode != 0  # torchrun reports a signalled run as failed: the Job retries it
-    stopped = re.search(r"SIGTERM: stopped at step (\d+) with a checkpoint", output)
-    assert stopped, output[-3000:]
-    step = int(stopped.group(1))
-    assert [p.name for p in checkpoint.checkpoint_paths(tmp_path / "run")] == [
-        f"step_{step:09d}.pt"
-    ]
-    # whole and readable, what a resume loads (the resume itself: the SIGKILL test below)
-    assert checkpoint.newest_readable(tmp_path / "run")[1]["step"] == step
+# Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
+# ends) lands in STOP_RECORDS/exit<rank>. With SLOW_RANK_1_INIT, rank 1 sleeps before
+# init_process_group while rank 0 waits for it there, in C; each marks init<rank> on the way.
+# With FAIL_SECOND_WRITE, rank 0's second checkpoint write fails as on a full disk.
+STOP_HOOK = """
+import errno, os, pathlib, time
+if "RANK" in os.environ:
+    _records = pathlib.Path(os.environ["STOP_RECORDS"])
+    _exit, _trainer = os._exit, os.getpid()
+
+    def _recording_exit(code):
+        if os.getpid() == _trainer:  # not a DataLoader worker, forked from it
+            (_records / f"exit{os.environ['RANK']}").write_text(str(code))
+        _exit(code)
+
+    os._exit = _recording_exit
+    if os.environ.get("SLOW_RANK_1_INIT"):
+        import torch.distributed as dist
+        _init = dist.init_process_group
+
+        def _slow_init(*args, **kwargs):
+            (_records / f"init{os.environ['RANK']}").touch()
+            if os.environ["RANK"] == "1":
+                time.sleep(60)
+            return _init(*args, **kwargs)
+
+        dist.init_process_group = _slow_init
+    if os.environ.get("FAIL_SECOND_WRITE"):
+        from PACKAGE import checkpoint
+        _write, _calls = checkpoint.write_atomically, []
+
+        def _write_until_full(state, path):
+            _calls.append(path)
+            if len(_calls) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return _write(state, path)
+
+        checkpoint.write_atomically = _write_until_full
+""".replace("PACKAGE", PACKAGE)
+STEP_LINE = re.compile(r"step (\d+)/\d+ ")
+
+
+@pytest.fixture
+def stop_hook(tmp_path) -> tuple[dict, Path]:
+    hook, records = tmp_path / "hook", tmp_path / "records"
+    hook.mkdir()
+    records.mkdir()
+    (hook / "sitecustomize.py").write_text(STOP_HOOK)
+    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "STOP_RECORDS": str(records)}
+    return env, records
+
+
+def signal_at_a_step_line(tmp_path, env, signum, after: str, *overrides) -> tuple[str, float]:
+    """Train in run/ until the first step line after a line holding `after`, send `signum` to
+    the launch's process group (as Ctrl-C does; torchrun forwards it too), and wait for the end.
+    Returns the output and the seconds from the signal to its last line."""
+    command = train_command("hydra.run.dir=run", "trainer.log_every=5", "trainer.max_steps=100000000",
+                            "trainer.checkpoint_every=100000", *overrides)  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines, seen, signalled = [], False, None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            last = time.monotonic()
+            seen = seen or after in line
+            if signalled is None and seen and STEP_LINE.search(line):
+                os.killpg(process.pid, signum)
+                signalled = last
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert signalled is not None, output[-3000:]
+    return output, last - signalled
+
+
+def assert_stopped(output: str, seconds: float, records: Path, name: str, code: int) -> int:
+    """Every rank stopped with `code` within 5 s, after one line; the step it names."""
+    assert seconds < 5, output[-3000:]
+    stopped = re.findall(rf"{name}: stopped at step (\d+) with a checkpoint", output)
+    assert len(stopped) == 1, output[-3000:]
+    assert [(records / f"exit{rank}").read_text() for rank in (0, 1)] == [str(code)] * 2
+    assert "KeyboardInterrupt" not in output and output.count("Traceback") <= 1  # torchrun's
+    return int(stopped[0])
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(tmp_path, stop_hook):
+    """SIGTERM (Kubernetes; torchrun forwards it) on a fresh run, after a resume, and Ctrl-C
+    after a second one: each within 5 s, one line, a checkpoint at the step named there, every
+    rank exiting 128 + the signal. The old pace counted the steps a checkpoint brought in as
+    just run: after a resume the stop came 5 to 30 s late, or torchrun's SIGKILL came first.
+    DataLoader workers, in the process group too, ignore both signals."""
+    env, records = stop_hook
+    run = tmp_path / "run"
+    stops = []
+    for resumes, (signum, overrides) in enumerate(
+        [(signal.SIGTERM, ["data.num_workers=2"]), (signal.SIGTERM, []),
+         (signal.SIGINT, ["data.num_workers=2"])]
+    ):  # fmt: skip
+        for record in records.iterdir():
+            record.unlink()
+        after = f"resumed from the checkpoint of step {stops[-1]} " if stops else ""
+        output, seconds = signal_at_a_step_line(tmp_path, env, signum, after, *overrides)
+        stops.append(assert_stopped(output, seconds, records, signum.name, 128 + signum))
+        assert checkpoint.newest_readable(run)[1]["step"] == stops[-1], (resumes, output[-3000:])
+    assert [p.name for p in checkpoint.checkpoint_paths(run)] == [f"step_{s:09d}.pt" for s in stops]
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(tmp_path, stop_hook):
+    """SIGTERM while rank 0 waits in init_process_group (in C, where Python runs no handler)
+    and rank 1 has not got there: nothing to save, so every rank ends at once, with 143."""
+    env, records = stop_hook
+    command = train_command("hydra.run.dir=run")
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **env, "SLOW_RANK_1_INIT": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ((records / "init0").exists() and (records / "init1").exists()):
+            assert process.poll() is None and time.monotonic() < deadline, "no init_process_group"
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 in the rendezvous
+        os.killpg(process.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert time.monotonic() - signalled < 5, output[-3000:]
+    line = f"SIGTERM: stopped before the first step, nothing new to save; to go on, relaunch with hydra.run.dir={tmp_path / 'run'}"
+    assert output.count("SIGTERM: stopped") == 1 and line in output, output[-3000:]
+    assert [(records / f"exit{rank}").read_text() for rank in (0, 1)] == ["143", "143"]
+    assert output.count("Traceback") <= 1  # torchrun's own
+
+
+@pytest.mark.timeout(240)
+def test_a_full_disk_is_rank_0s_one_line_and_no_rank_blames_a_collective(tmp_path, stop_hook):
+    env, _ = stop_hook
+    done = torchrun(tmp_path, "trainer.max_steps=30", "trainer.checkpoint_every=10", "hydra.run.dir=run",
+                    env={**env, "FAIL_SECOND_WRITE": "1"})  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("checkpoint error:")]
+    assert len(errors) == 1, output[-3000:]
+    assert "rank 0 could not write" in errors[0] and "step_000000020.pt" in errors[0]
+    assert "No space left on device" in errors[0] and "free space there" in errors[0]
+    assert "A collective failed" not in output and "failed too" not in output
+    assert "exitcode  : 5" in output  # rank 0's: a checkpoint could not be written
+    assert [p.name for p in checkpoint.checkpoint_paths(tmp_path / "run")] == ["step_000000010.pt"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
+
+
+def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path):
+    """The guard lets the change through (accept_changes), the checkpoint does not fit."""
+    shutil.copytree(kept, tmp_path / "run")
+    before = (tmp_path / "run" / "config.yaml").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", "model.hidden_dim=64", "hydra.run.dir=run",
+         "trainer.accept_changes=[model.hidden_dim]"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "config error: step_000000050.pt does not fit this run's model" in done.stderr
+    assert (tmp_path / "run" / "config.yaml").read_text() == before
 
 
 @pytest.mark.timeout(240)
