@@ -172,6 +172,7 @@ def assert_stopped(output: str, seconds: float, records: Path, name: str, code: 
     assert len(stopped) == 1, output[-3000:]
     assert [(records / f"exit{rank}").read_text() for rank in (0, 1)] == [str(code)] * 2
     assert "KeyboardInterrupt" not in output and output.count("Traceback") <= 1  # torchrun's
+    assert "A collective failed" not in output and "failed too" not in output
     return int(stopped[0])
 
 

@@ -187,12 +187,14 @@ def signal_mask(pid: int, field: str) -> int:
     raise LookupError(field)
 
 
-def test_loader_workers_survive_sigterm_from_the_moment_they_fork():
-    """torchrun sends SIGTERM to each trainer's process group, its loader workers included: one
-    that died of it, even just after its fork, would end the run without a checkpoint."""
+def test_loader_workers_survive_sigterm_and_sigint_from_the_moment_they_fork():
+    """torchrun sends SIGTERM to each trainer's process group, and Ctrl-C sends SIGINT to all of
+    it, loader workers included: one that died of either, even just after its fork, would end
+    the run without a checkpoint."""
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2,
                         persistent_workers=True, worker_init_fn=data.ignore_sigterm)  # fmt: skip
     batches = data.epoch_batches(loader)
+    stop_signals = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
     try:
         next(batches), next(batches)  # batch i comes from worker i % 2: both have run their init
         workers = [
@@ -200,16 +202,16 @@ def test_loader_workers_survive_sigterm_from_the_moment_they_fork():
             for task in Path("/proc/self/task").iterdir()
             for pid in (task / "children").read_text().split()
         ]
-        sigterm = 1 << (signal.SIGTERM - 1)
         assert len(workers) == 2
         for pid in workers:
-            assert signal_mask(pid, "SigBlk") & sigterm  # blocked from the fork on
-            assert signal_mask(pid, "SigIgn") & sigterm  # then ignored
+            assert signal_mask(pid, "SigBlk") & stop_signals == stop_signals  # from the fork on
+            assert signal_mask(pid, "SigIgn") & stop_signals == stop_signals  # then ignored
             os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
         assert len(list(batches)) == 2
     finally:
         batches._shutdown_workers()  # a failed assert would keep them, and pytest, alive
-    assert not signal_mask(os.getpid(), "SigBlk") & sigterm  # the trainer still hears it
+    assert not signal_mask(os.getpid(), "SigBlk") & stop_signals  # the trainer still hears them
 
 
 def test_the_gpt_learns_the_token_rule_and_no_better(tmp_path):
