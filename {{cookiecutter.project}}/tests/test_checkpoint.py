@@ -6,6 +6,7 @@ import errno
 import logging
 import math
 import os
+import random
 import signal
 
 import pytest
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import checkpoint
 from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
-from {{ cookiecutter.package }}.trainer import Trainer
+from {{ cookiecutter.package }}.trainer import Trainer, Window
 from {{ cookiecutter.package }}.world import World
 
 ONE = World()
@@ -287,3 +288,54 @@ def test_a_full_disk_is_named_as_the_cause_and_the_good_checkpoints_stay(tmp_pat
     assert f"free space there and relaunch with hydra.run.dir={tmp_path}" in message
     assert names(tmp_path) == ["step_000000010.pt"]  # the partial write is gone
     assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
+
+
+def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):
+    """Window.close all-reduces its sums: rank 0 logs the mean over every rank's samples, and a
+    non-finite loss on any rank stops them all at the same step."""
+    other_rank = {"loss": 30.0, "correct": 7.0, "nonfinite": 0.0}  # its sums for the window
+
+    def all_reduce(tensor, *args, **kwargs):  # the other rank's share arrives
+        tensor += torch.tensor(list(other_rank.values()))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    two = World(rank=0, size=2)
+    window = Window(torch.device("cpu"), step=0)
+    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(2.0))
+    window.add_accuracy(torch.eye(4)[[0, 1, 2, 3]], torch.tensor([0, 1, 2, 0]))  # 3 of 4 right
+    totals = window.close(step=1, world=two)
+    assert totals["loss"] == pytest.approx((10.0 + 30.0) / (10 * 2))
+    assert totals["accuracy"] == pytest.approx((3 + 7) / (4 * 2))
+    other_rank["loss"] = math.nan
+    window.add(torch.tensor(1.0), samples=10, grad_norm=None)
+    with pytest.raises(Diverged, match="step 2: the loss is not finite"):
+        window.close(step=2, world=two)
+
+
+def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_written_with(
+    tmp_path,
+):
+    def checkpointer_of(model, progress):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        states = {"model": model, "optimizer": optimizer, "data": progress}
+        saver = Checkpointer(
+            tmp_path, every=10, keep=2, world=ONE, group=None, states=states, config={}
+        )
+        return saver, optimizer
+
+    model, progress = torch.nn.Linear(4, 2), Progress(12, 1, 5)
+    saver, optimizer = checkpointer_of(model, progress)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()  # moments to keep
+    saver.write(12)
+    expected_rng = (torch.rand(3), random.random())
+    torch.manual_seed(99)
+    random.seed(99)
+    fresh, fresh_progress = torch.nn.Linear(4, 2), Progress()
+    loader, fresh_optimizer = checkpointer_of(fresh, fresh_progress)
+    assert loader.load()["step"] == 12 and fresh_progress == progress
+    weights, loaded = model.state_dict(), fresh.state_dict()
+    assert all(torch.equal(weights[key], loaded[key]) for key in weights)
+    before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
+    assert all(torch.equal(before[key], after[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
+    assert torch.equal(torch.rand(3), expected_rng[0]) and random.random() == expected_rng[1]

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import PACKAGE, hang_one_rank
 
@@ -158,3 +159,30 @@ def test_each_launch_reports_its_own_failure(tmp_path, monkeypatch):
     assert failfast.claim_report(tmp_path) is True
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a retried pod, same run dir
     assert failfast.claim_report(tmp_path) is True
+
+
+@pytest.fixture
+def lone_group():
+    """A gloo group of this process alone."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_gate_passes_a_right_sum_and_refuses_a_wrong_one(lone_group, monkeypatch):
+    failfast.gate(torch.device("cpu"), timeout_s=10)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)  # a peer whose values were lost
+    with pytest.raises(failfast.GateFailed, match="returned 1048576 wrong values .expected 3."):
+        failfast.gate(torch.device("cpu"), timeout_s=10)
+
+
+def test_a_gate_that_does_not_finish_in_time_fails(lone_group, monkeypatch):
+    class Stuck:
+        def wait(self, timeout):
+            assert timeout.total_seconds() == 7
+            return False
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: Stuck())
+    with pytest.raises(failfast.GateFailed, match="did not finish within 7 s"):
+        failfast.gate(torch.device("cpu"), timeout_s=7)
