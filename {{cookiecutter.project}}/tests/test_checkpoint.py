@@ -339,3 +339,11 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
     assert all(torch.equal(before[key], after[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
     assert torch.equal(torch.rand(3), expected_rng[0]) and random.random() == expected_rng[1]
+
+
+def test_a_non_finite_gradient_norm_stops_even_when_the_loss_is_finite():
+    """An overflowing gradient with a finite loss: the norm's own check stops the run."""
+    window = Window(torch.device("cpu"), step=0)
+    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(math.inf))
+    with pytest.raises(Diverged, match="step 1: the gradient norm is not finite"):
+        window.close(step=1, world=ONE)

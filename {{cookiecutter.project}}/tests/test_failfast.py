@@ -186,3 +186,11 @@ def test_a_gate_that_does_not_finish_in_time_fails(lone_group, monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: Stuck())
     with pytest.raises(failfast.GateFailed, match="did not finish within 7 s"):
         failfast.gate(torch.device("cpu"), timeout_s=7)
+
+
+@pytest.mark.parametrize(("backend", "cause"), [("nccl", "transport"), ("gloo", "peer_silent")])
+def test_a_gate_that_timed_out_blames_the_transport_only_under_nccl(backend, cause):
+    """Over gloo the transport is TCP on the CPU: a gate that times out waits for a peer."""
+    err = failfast.GateFailed("the gate all-reduce did not finish within 60 s")
+    failure = failfast.as_collective_failure(err, phase=failfast.GATE_PHASE, backend=backend)
+    assert failure.cause is failfast.Cause(cause) and failure.phase == failfast.GATE_PHASE
