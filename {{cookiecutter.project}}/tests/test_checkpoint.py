@@ -347,3 +347,24 @@ def test_a_non_finite_gradient_norm_stops_even_when_the_loss_is_finite():
     window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(math.inf))
     with pytest.raises(Diverged, match="step 1: the gradient norm is not finite"):
         window.close(step=1, world=ONE)
+
+
+def test_a_rank_that_got_no_signal_stops_for_its_peers_and_exits_with_its_code(monkeypatch):
+    """Ctrl-C reached rank 1 only: rank 0 stops at the same step, and says and exits as it."""
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def all_reduce(tensor, op, group=None, async_op=False):  # rank 1 sends SIGINT
+        tensor[0] = max(int(tensor[0]), signal.SIGINT)
+        return Done() if async_op else None
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    signals = checkpoint.StopSignals()
+    preemption = checkpoint.Preemption(None, World(rank=0, size=2), signals)
+    try:
+        assert preemption.start(40) is True
+    finally:
+        preemption.close()
+    assert signals.name == "SIGINT" and signals.exit_code == 130

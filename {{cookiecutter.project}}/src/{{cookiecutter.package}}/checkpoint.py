@@ -370,7 +370,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None  # the first stop signal received
         self.depth = 0  # deferred() nesting: > 0 while steps run
-        self.stepped = False  # a deferred() block has ended: "after", not "before"
+        self.stepped = False  # a step has run: a stop now comes "after the last step"
         self.run_dir: Path | None = None  # named in the line, once known
         self.main = True  # whether this process prints the line (global rank 0)
         self.previous: dict[int, Any] | None = None
@@ -438,6 +438,16 @@ class StopSignals:
                 log.warning(self.stopped_line())
             os._exit(self.exit_code)
 
+    def adopt(self, signum: int) -> bool:
+        """The signal the ranks agreed to stop for (0: none), as this rank's own if it got none:
+        every rank then reports it and exits with its code. Whether to stop."""
+        if signum:
+            with self.lock:
+                if self.signum is None:
+                    self.signum = signum
+            self.received.set()
+        return bool(signum)
+
     @contextmanager
     def deferred(self) -> Iterator[None]:
         """While steps run: a signal waits for the ranks to agree on a step."""
@@ -448,7 +458,6 @@ class StopSignals:
         finally:
             with self.lock:
                 self.depth -= 1
-                self.stepped = True
 
     def stopped_line(self) -> str:
         """For a stop with nothing new to save."""
@@ -504,14 +513,15 @@ class Preemption:
         self.steps.enter_context(self.signals.deferred())
         stop = self.signals.requested
         if self.world.size > 1:
-            flag = torch.tensor([int(stop)], dtype=torch.int64)
+            flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            stop = bool(flag.item())
+            stop = self.signals.adopt(int(flag.item()))
         self.last, self.next_exchange = (step, time.monotonic()), step + 1
         return stop
 
     def agreed(self, step: int) -> bool:
         """Every rank calls this after every step; all get True at the same step."""
+        self.signals.stepped = True
         if self.world.size == 1:
             return self.signals.requested
         if self.next_exchange is not None and step < self.next_exchange:
@@ -520,12 +530,12 @@ class Preemption:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            stop, negative_interval = self.flag.tolist()
-            if stop:
+            signum, negative_interval = self.flag.tolist()
+            if self.signals.adopt(signum):
                 return True
             interval = -negative_interval
         # Propose the next interval from this rank's pace; the all-reduce takes the smallest
-        # proposal (MAX of the negatives) and the stop flag of any rank, in one message.
+        # proposal (MAX of the negatives) and any rank's stop signal, in one message.
         now, proposal = time.monotonic(), 1
         if self.last is not None:
             last_step, last_time = self.last
@@ -533,7 +543,7 @@ class Preemption:
             pace = done / max(now - last_time, 1e-6)  # steps per second
             proposal = max(1, min(MAX_INTERVAL, 2 * done, math.floor(pace * EXCHANGE_EVERY_S)))
         self.last = (step, now)
-        self.flag = torch.tensor([int(self.signals.requested), -proposal], dtype=torch.int64)
+        self.flag = torch.tensor([self.signals.signum or 0, -proposal], dtype=torch.int64)
         self.pending = dist.all_reduce(
             self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
         )
