@@ -368,3 +368,14 @@ def test_a_rank_that_got_no_signal_stops_for_its_peers_and_exits_with_its_code(m
     finally:
         preemption.close()
     assert signals.name == "SIGINT" and signals.exit_code == 130
+
+
+def test_the_line_of_a_stop_with_nothing_to_save_says_whether_a_step_ran(tmp_path):
+    signals = checkpoint.StopSignals()
+    signals.signum, signals.run_dir = signal.SIGINT, tmp_path
+    assert signals.stopped_line() == (
+        "SIGINT: stopped before the first step, nothing new to save; "
+        f"to go on, relaunch with hydra.run.dir={tmp_path}"
+    )
+    checkpoint.Preemption(None, ONE, signals).agreed(1)  # a step ran
+    assert signals.stopped_line().startswith("SIGINT: stopped after the last step")
