@@ -26,7 +26,7 @@ PROFILE_ENV = {
 
 def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     """Each group's file is composed as written, into the typed schema of its option."""
-    from pathlib import Path
+    from importlib.resources import files
 
     import yaml
 
@@ -37,7 +37,9 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     assert isinstance(config.model, schemas.MlpConfig) and isinstance(
         config.data, schemas.PointsConfig
     )
-    configs = Path(schemas.__file__).parent / "configs"
+    # Where Hydra finds them (pkg://): beside config.py when installed, the project's configs/
+    # in an editable install.
+    configs = files("{{ cookiecutter.package }}.configs")
     for group, option in [
         ("model", "mlp"),
         ("data", "synthetic"),
