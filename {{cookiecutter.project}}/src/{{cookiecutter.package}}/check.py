@@ -26,10 +26,13 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from {{ cookiecutter.package }}.config import (
     ConfigError,
     TrainConfig,
+    configs_folder,
     exit_with_error,
+    hydra_overrides,
     register_configs,
     to_train_config,
     typed,
+    yaml_problem,
 )
 
 EXIT_CONFIG_ERROR = 2
@@ -70,22 +73,28 @@ def configs_at(folder: Path | None) -> AbstractContextManager:
     return initialize_config_dir(config_dir=str(folder.resolve()), version_base="1.3")
 
 
+def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False) -> DictConfig:
+    """configs/train.yaml composed with `overrides` as train reads them (config.hydra_argv)."""
+    problem = yaml_problem(folder or configs_folder())
+    if problem:
+        raise ConfigError(problem)
+    register_configs()
+    with configs_at(folder):
+        return compose(
+            config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=hydra
+        )
+
+
 def load_config(
     overrides: list[str], folder: Path | None = None, this_node: bool = True
 ) -> TrainConfig:
     """The config that train composes with `overrides`, checked; raises on a bad one."""
-    register_configs()
-    with configs_at(folder):
-        cfg = compose(config_name="train", overrides=overrides)
-    return to_train_config(cfg, this_node=this_node)
+    return to_train_config(compose_train(overrides, folder), this_node=this_node)
 
 
 def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
     """The option of a config group that train composes with `overrides`, e.g. nccl -> auto."""
-    register_configs()
-    with configs_at(folder):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    return cfg.hydra.runtime.choices[group]
+    return compose_train(overrides, folder, hydra=True).hydra.runtime.choices[group]
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)

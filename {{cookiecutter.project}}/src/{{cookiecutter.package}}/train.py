@@ -32,6 +32,7 @@ from {{ cookiecutter.package }} import PROJECT, checkpoint, failfast, metrics, n
 from {{ cookiecutter.package }}.config import (
     TrainConfig,
     exit_with_error,
+    hydra_argv,
     register_configs,
     typed,
     uses_cuda,
@@ -247,4 +248,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
     main()
