@@ -155,3 +155,24 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
     (configs / "local" / "default.yaml").unlink()
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         assert compose(config_name="train", overrides=["experiment=smoke"]).trainer.max_steps == 20
+
+
+def test_nccl_overrides_are_rewritten_once_and_only_theirs():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from {{ cookiecutter.package }}.config import hydra_overrides
+
+    given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
+             "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
+             "nccl.debug_subsys=INIT,NET", "+nccl.env.NCCL_ALGO=Ring", "nccl.ib_hca=null",
+             "nccl.env.NCCL_PROTO=choice(LL,Simple)", "nccl.socket_ifname=${oc.env:IFACE}",
+             "~nccl.env.NCCL_X"]  # fmt: skip
+    rewritten = hydra_overrides(given)
+    changed = {new for old, new in zip(given, rewritten, strict=True) if old != new}
+    assert changed == {"nccl.debug_subsys='INIT,NET'", "++nccl.env.NCCL_ALGO='Ring'",
+                       "++nccl.env.NCCL_PROTO=choice(LL,Simple)"}  # fmt: skip
+    assert hydra_overrides(rewritten) == rewritten
+    # Under -m a bare comma list is still NCCL's list; choice() is how to sweep over values.
+    parsed = OverridesParser.create().parse_overrides(rewritten[6:])
+    sweeps = [override.key_or_group for override in parsed if override.is_sweep_override()]
+    assert sweeps == ["nccl.debug", "nccl.env.NCCL_PROTO"]

@@ -54,7 +54,10 @@ def one_line(err: Exception) -> str:
     if full_key:
         reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
         if "not in" in reason:
-            return f"{full_key}: no such key; allowed: {', '.join(schema_keys(cause))}"
+            allowed = schema_keys(cause)
+            if not allowed:  # a map (deploy.node_selector): its keys are the user's to add
+                return f"{full_key}: no such key; add it to the map with +{full_key}=..."
+            return f"{full_key}: no such key; allowed: {', '.join(allowed)}"
         if isinstance(cause, MissingMandatoryValue):
             return f"{full_key}: no value; set it in configs/ or as {full_key}=..."
         return f"{full_key}: {reason}"

@@ -620,7 +620,8 @@ def nccl_text(value: str) -> str:
     """A value for a NCCL text key, quoted so that Hydra reads it as one string; a list
     [a,b] becomes the comma list 'a,b'. Quoted values, null, interpolations and sweep functions
     stay as they are."""
-    if value in ("", "null") or value[0] in "'\"" or "${" in value or SWEEP_FUNCTION.fullmatch(value):
+    as_given = value in ("", "null") or value[0] in "'\"" or "${" in value
+    if as_given or SWEEP_FUNCTION.fullmatch(value):
         return value
     if value.startswith("[") and value.endswith("]"):
         value = ",".join(item.strip().strip("'\"") for item in value[1:-1].split(","))
@@ -633,6 +634,7 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
     remedies write them:
       nccl.debug_subsys=INIT,NET (or [INIT,NET])  ->  nccl.debug_subsys='INIT,NET'
       nccl.env.NCCL_ALGO=Ring                      ->  ++nccl.env.NCCL_ALGO='Ring'  (adds the key)
+      nccl.env={NCCL_ALGO:Ring}                    ->  ++nccl.env={NCCL_ALGO:Ring}
     Under -m too: a bare comma list is NCCL's list, never a sweep; sweep with choice(Ring,Tree).
     Other arguments pass as given, and a rewritten override rewritten again stays the same."""
     rewritten = []
@@ -642,6 +644,8 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
             plus, key, value = match.groups()
             plus = "++" if key.startswith("nccl.env.") else plus
             override = f"{plus}{key}={nccl_text(value)}"
+        elif override.startswith("nccl.env="):  # a whole map, nccl.env={NCCL_ALGO:Ring}
+            override = f"++{override}"
         rewritten.append(override)
     return rewritten
 

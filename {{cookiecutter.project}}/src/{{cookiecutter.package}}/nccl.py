@@ -159,6 +159,8 @@ def value_error(key: str, value: Any) -> str | None:
         return f"{key}: empty; give a value, or null to leave the variable to NCCL"
     if any(ord(char) < 32 or ord(char) == 127 for char in text):
         return f"{key}={text!r}: holds a control character (a newline?); give one line"
+    if text != text.strip():
+        return f"{key}={text!r}: spaces at its ends, which NCCL would read as part of it"
     if len(text) > MAX_VALUE_CHARS:
         return f"{key}: {len(text)} characters; an environment variable here takes at most {MAX_VALUE_CHARS}"
     return None
@@ -173,9 +175,16 @@ def config_errors(nccl_cfg: Any) -> list[str]:
         value = getattr(nccl_cfg, name)
         if value is not None:
             errors.append(value_error(f"nccl.{name}", value))
+    index = nccl_cfg.ib_gid_index
+    if index is not None and not -1 <= index <= 255:
+        errors.append(
+            f"nccl.ib_gid_index={index}: must be -1 (NCCL picks) to 255 (NCCL_IB_GID_INDEX)"
+        )
     level = nccl_cfg.p2p_level
     if level is not None and str(level) not in P2P_LEVELS:
-        errors.append(f"nccl.p2p_level={level}: must be one of {', '.join(P2P_LEVELS[:6])} (NCCL_P2P_LEVEL)")
+        errors.append(
+            f"nccl.p2p_level={level}: must be one of {', '.join(P2P_LEVELS[:6])} (NCCL_P2P_LEVEL)"
+        )
     for var, value in nccl_cfg.env.items():
         if not TRACKED_VAR.fullmatch(var):
             errors.append(
@@ -186,7 +195,9 @@ def config_errors(nccl_cfg: Any) -> list[str]:
         elif value is None:
             continue  # left to NCCL: unsets what a profile sets
         elif str(value).lower() in ("true", "false"):
-            errors.append(f"nccl.env.{var}={value}: NCCL reads a number here, not a bool; write 1 or 0")
+            errors.append(
+                f"nccl.env.{var}={value}: NCCL reads a number here, not a bool; write 1 or 0"
+            )
         else:
             errors.append(value_error(f"nccl.env.{var}", value))
     return [error for error in errors if error]
