@@ -159,14 +159,14 @@ def token_file_problem(data: TokensConfig) -> str | None:
         size = path.stat().st_size
         if path.is_dir():
             return f"a directory, not a token file; {make}"
+        if not path.is_file():  # a FIFO or a device: opening one may wait forever
+            return f"not a regular file; {make}"
         with path.open("rb"):
             pass
     except FileNotFoundError:
         return f"no such file here ({Path.cwd()}); {make}"
     except OSError as err:
         return f"cannot be read ({err.strerror or err})"
-    if not path.is_file():
-        return f"not a regular file; {make}"
     if size % TOKEN_BYTES:
         return f"holds {size} bytes, an odd count: not a file of 2-byte (uint16) tokens; {make}"
     sequences = file_sequences(data)
