@@ -1,5 +1,7 @@
 """The NCCL decision rules and their precedence, against fake node facts: no GPU needed."""
 
+import re
+
 import pytest
 
 from {{ cookiecutter.package }} import nccl
@@ -201,6 +203,30 @@ def test_explicit_async_error_handling_beats_torchruns_default_quietly():
 def test_env_map_refuses_non_nccl_and_shadowed_keys(env, message):
     with pytest.raises(ConfigError, match=message):
         NcclConfig(env=env)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"env": {"NCCL_ALGO": "Ring\nTree"}}, "nccl.env.NCCL_ALGO='Ring\\nTree': holds a control"),
+        ({"socket_ifname": "eth0 "}, "nccl.socket_ifname='eth0 ': spaces at its ends"),
+        ({"ib_hca": "x" * 4097}, "nccl.ib_hca: 4097 characters;"),
+        ({"env": {"NCCL_ALGO": True}}, "nccl.env.NCCL_ALGO=True: NCCL reads a number here"),
+        ({"ib_gid_index": -2}, "nccl.ib_gid_index=-2: must be -1 (NCCL picks) to 255"),
+        ({"p2p_level": "nvl"}, "nccl.p2p_level=nvl: must be one of LOC, NVL,"),
+    ],
+)
+def test_values_no_environment_variable_can_hold_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        NcclConfig(**fields)
+
+
+def test_a_null_env_entry_sets_nothing():
+    cfg = NcclConfig(env={"NCCL_ALGO": None, "NCCL_PROTO": "LL"})
+    assert nccl.decide(cfg, None, inherited={"NCCL_ALGO": "Tree"}).env == {
+        "NCCL_ALGO": "Tree",
+        "NCCL_PROTO": "LL",
+    }
 
 
 TOPO_NV18 = """\
