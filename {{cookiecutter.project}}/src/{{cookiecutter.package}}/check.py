@@ -3,8 +3,10 @@
     python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
 
 train runs the same check (ConfigCheck) once Hydra has composed its config, before any run dir or
-process group exists. The Kubernetes Job runs it as an init container: its exit code 2 is
-the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
+process group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts.
+Its exit code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every
+failure as 1). It reads what train reads: every configs/ file as YAML, the overrides as
+config.hydra_overrides rewrites them, and a token file (config.token_file_problem).
 """
 
 from __future__ import annotations
