@@ -656,34 +656,55 @@ def configs_folder() -> Path:
     return Path(str(files(f"{__package__}.configs")))
 
 
+GLOBAL_GROUPS = ("experiment", "local")  # their files set keys anywhere: # @package _global_
+# Hydra reads `# @key value` lines up to the first other line, blank ones aside.
+GLOBAL_HEADER = re.compile(r"(\s*#\s*@[^\n]*\n|\s*\n)*\s*#\s*@package\s+_global_\s*(\n|$)")
+
+
 def yaml_problem(folder: Path) -> str | None:
-    """The first file under `folder` that Hydra could not read as YAML, as one line naming the
-    file, the line and the problem; None when all read. (Hydra's own report is a parser
-    traceback of some 70 lines.)"""
+    """The first file under `folder` that Hydra could not use, as one line naming the file, the
+    line and the problem; None when all can be used. (Hydra's own report is a parser traceback of
+    some 70 lines, or a key error about a group.)"""
+    for path in sorted(folder.rglob("*.yaml")):
+        shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
+        problem = yaml_file_problem(path, path.relative_to(folder).parts[0])
+        if problem:
+            return f"{shown}{problem}"
+    return None
+
+
+def yaml_file_problem(path: Path, group: str) -> str | None:
+    """What yaml_problem says of one file, after its name; None if Hydra can use it."""
     import yaml
     from omegaconf._utils import get_yaml_loader  # Hydra's loader: what it rejects, we do
 
-    for path in sorted(folder.rglob("*.yaml")):
-        shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
-        try:
-            yaml.load(path.read_text(encoding="utf-8"), Loader=get_yaml_loader())
-        except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark or err.context_mark
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = " ".join(str(err.problem or err.context or "").split())
-            if "'\\t'" in problem:
-                problem += " (indent YAML with spaces)"
-            elif err.context and err.problem:
-                opened = err.context_mark
-                since = f" from line {opened.line + 1}" if opened and opened is not mark else ""
-                problem += f" ({err.context}{since})"
-            return f"{shown}{where}: not YAML: {problem}"
-        except yaml.YAMLError as err:
-            return f"{shown}: not YAML: {' '.join(str(err).split())}"
-        except UnicodeDecodeError as err:
-            return f"{shown}: not UTF-8 text (byte {err.start}): not a YAML file"
-        except OSError as err:
-            return f"{shown}: cannot be read ({err.strerror or err})"
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.load(text, Loader=get_yaml_loader())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(err.problem or err.context or "").split())
+        if "'\\t'" in problem:
+            problem += " (indent YAML with spaces)"
+        elif err.context and err.problem:
+            opened = err.context_mark
+            since = f" from line {opened.line + 1}" if opened and opened is not mark else ""
+            problem += f" ({err.context}{since})"
+        return f"{where}: not YAML: {problem}"
+    except yaml.YAMLError as err:
+        return f": not YAML: {' '.join(str(err).split())}"
+    except UnicodeDecodeError as err:
+        return f": not UTF-8 text (byte {err.start}): not a YAML file"
+    except OSError as err:
+        return f": cannot be read ({err.strerror or err})"
+    if loaded is not None and not isinstance(loaded, dict):
+        return f": holds a {type(loaded).__name__}; a config file holds keys and values"
+    if group in GLOBAL_GROUPS and not GLOBAL_HEADER.match(text):
+        return (
+            f": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml "
+            f"has it): Hydra reads it there only, and without it puts the keys under `{group}`"
+        )
     return None
 
 
