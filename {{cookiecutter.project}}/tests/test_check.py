@@ -248,13 +248,21 @@ NOT_YAML = [
     (b"trainer:\n  a: 1\n  a: 2\n",
      "line 3, column 3: not YAML: found duplicate key a (while constructing a mapping from line 2)"),
     (b"\xff\xfe\x00", ": not UTF-8 text (byte 0): not a YAML file"),
+    (b"42\n", ": holds a int; a config file holds keys and values"),
+    (b"- trainer\n", ": holds a list; a config file holds keys and values"),
+    # Hydra reads the header up to the first plain comment: this one puts the keys under local.
+    (b"# this machine\n# @package _global_\ntrainer:\n  max_steps: 3\n",
+     ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml has it): "
+     "Hydra reads it there only, and without it puts the keys under `local`"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("text", "message"), NOT_YAML, ids=["tab", "bracket", "duplicate", "binary"]
+    ("text", "message"),
+    NOT_YAML,
+    ids=["tab", "bracket", "duplicate", "binary", "int", "list", "header"],
 )
-def test_a_configs_file_that_is_not_yaml_is_one_line_naming_file_and_line(
+def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
     from {{ cookiecutter.package }}.check import describe, load_config

@@ -57,6 +57,7 @@ def test_an_id_outside_the_vocabulary_is_named_with_where_it_is(tmp_path):
         f"raise data.vocab_size to 301, or check that the file holds uint16 tokens "
         f"(make one with python -m {PACKAGE}.data TEXT OUT)"
     )
+    assert problem(path, "data.vocab_size=300").startswith(f"data.path={path}: holds token id 300")
     assert problem(path, "data.vocab_size=301") is None
 
 
