@@ -310,3 +310,24 @@ def test_k8s_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
     where = "configs/local/default.yaml, line 2, column 1"
     assert done.stderr.startswith(f"config error: {where}: not YAML: expected ',' or '}}'")
     assert len(done.stderr.splitlines()) == 1 and not (project / "k8s").exists()
+
+
+@pytest.mark.parametrize(
+    ("nproc", "message"),
+    [
+        ("0", "error: --nproc-per-node=0: must be at least 1"),
+        ("-1", "error: --nproc-per-node=-1: must be at least 1"),
+        ("4", "config error: data.batch_size=128: each of 4 process(es) gets 75 of the 300"),
+    ],
+)
+def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
+    """--nproc-per-node checks a node of that many: its shards too, not only its GPUs."""
+    from {{ cookiecutter.package }}.check import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    argv = ["check", "--nproc-per-node", nproc, "data.num_samples=300", "dist.backend=gloo"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert main() == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(message)

@@ -146,11 +146,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--nproc-per-node", type=int, help="check that this many GPUs are visible")
+    parser.add_argument(
+        "--nproc-per-node", type=int,
+        help="check for this many processes on one node: GPUs visible, a batch for each shard",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    if args.nproc_per_node:
-        os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc_per_node)
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            print(f"error: --nproc-per-node={args.nproc_per_node}: must be at least 1",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_CONFIG_ERROR
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(args.nproc_per_node)
     problem = config_problem(args.overrides)
     if problem:
         print(f"config error: {problem}", file=sys.stderr)
