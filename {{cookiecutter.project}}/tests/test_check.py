@@ -324,8 +324,8 @@ def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
     """--nproc-per-node checks a node of that many: its shards too, not only its GPUs."""
     from {{ cookiecutter.package }}.check import main
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # main sets both; monkeypatch puts them back
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     argv = ["check", "--nproc-per-node", nproc, "data.num_samples=300", "dist.backend=gloo"]
     monkeypatch.setattr(sys, "argv", argv)
     assert main() == 2
