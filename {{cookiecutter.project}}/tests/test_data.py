@@ -116,21 +116,20 @@ def test_a_huge_token_file_is_scanned_a_chunk_at_a_time(tmp_path, monkeypatch):
 def test_a_scan_is_reused_by_the_processes_started_after_it_until_the_file_changes(
     tmp_path, monkeypatch
 ):
+    reads, memmap = [], np.memmap
+    monkeypatch.setattr(
+        np, "memmap", lambda *args, **kwargs: reads.append(1) or memmap(*args, **kwargs)
+    )
     path = tokens(tmp_path / "t.bin", [3, 1, 4, 1, 5, 9, 2, 6])
-    assert config.largest_token(path) == (9, 5)
+    assert config.largest_token(path) == (9, 5) and len(reads) == 1
     assert config.SCANNED_VAR in os.environ  # what torchrun's workers inherit from the launcher
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("read the file again")
-
-    monkeypatch.setattr(np, "memmap", no_read)
-    assert config.largest_token(path) == (9, 5)
-    monkeypatch.undo()
-    monkeypatch.setenv(config.SCANNED_VAR, os.environ[config.SCANNED_VAR])
-    tokens(path, [3, 1, 4, 1, 5, 9, 2, 60])
-    assert config.largest_token(path) == (60, 7)
+    assert config.largest_token(path) == (9, 5) and len(reads) == 1
+    before = path.stat().st_mtime_ns
+    tokens(path, [3, 1, 4, 1, 5, 9, 2, 60])  # the same size and inode: its time tells
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert config.largest_token(path) == (60, 7) and len(reads) == 2
     monkeypatch.setenv(config.SCANNED_VAR, "{not json")
-    assert config.largest_token(path) == (60, 7)
+    assert config.largest_token(path) == (60, 7) and len(reads) == 3
 
 
 def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
