@@ -44,6 +44,14 @@ def test_auto_disables_p2p_on_a_pcie_pair_whose_copy_hangs_or_fails(outcome):
     assert f"GPU0-GPU1 {outcome}" in decision.settings["NCCL_P2P_DISABLE"].source
 
 
+def test_auto_leaves_p2p_alone_where_one_process_uses_one_gpu_of_the_node():
+    """No peer traffic inside the node: a broken pair there is no reason to change P2P."""
+    node = facts(nvlink=(), world=2, local_world=1, tests={(0, 1): "hang"})
+    decision = nccl.decide(AUTO, node, inherited={})
+    assert decision.env == {"NCCL_IB_DISABLE": "1"}
+    assert "NCCL_P2P_DISABLE" not in decision.settings
+
+
 def test_auto_on_mixed_links_keeps_nvlink_and_drops_only_broken_pcie():
     node = facts(gpus=4, nvlink=((0, 1), (2, 3)), world=4, local_world=4,
                  tests={(0, 2): "ok", (0, 3): "hang", (1, 2): "ok", (1, 3): "ok"})  # fmt: skip
