@@ -48,6 +48,7 @@ BAD = [
         "model.depth: no such key; allowed: n_layer, n_head, d_model",
     ),
     ("data=tokens model=gpt data.vocab_size=1", "data.vocab_size=1: must be at least 2"),
+    ("data=tokens model=gpt data.seq_len=0", "data.seq_len=0: must be at least 1"),
     (
         "trainer.precision=fp8",
         "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
