@@ -49,6 +49,9 @@ BAD = [
     ),
     ("data=tokens model=gpt data.vocab_size=1", "data.vocab_size=1: must be at least 2"),
     ("data=tokens model=gpt data.seq_len=0", "data.seq_len=0: must be at least 1"),
+    ("data.num_classes=1", "data.num_classes=1: must be at least 2"),
+    ("data.num_features=0", "data.num_features=0: must be at least 1"),
+    ("model.hidden_dim=0", "model.hidden_dim=0: must be at least 1"),
     (
         "trainer.precision=fp8",
         "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
