@@ -335,3 +335,13 @@ def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
     assert main() == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(message)
+
+
+@pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start", "on_job_start"])
+def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys, hook):
+    from {{ cookiecutter.package }}.check import ConfigCheck
+
+    with pytest.raises(SystemExit) as stopped:
+        getattr(ConfigCheck(), hook)(config=compose_train("trainer.max_steps=-1"))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "config error: trainer.max_steps=-1: must be at least 1\n"
