@@ -342,6 +342,7 @@ def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys
     from {{ cookiecutter.package }}.check import ConfigCheck
 
     with pytest.raises(SystemExit) as stopped:
-        getattr(ConfigCheck(), hook)(config=compose_train("trainer.max_steps=-1"))
+        bad = compose_train("trainer.max_steps=-1")
+        getattr(ConfigCheck(), hook)(config=bad, task_function=None)  # as Hydra calls them
     assert stopped.value.code == 2
     assert capsys.readouterr().err == "config error: trainer.max_steps=-1: must be at least 1\n"
