@@ -174,11 +174,16 @@ def test_from_saved_passes_held_out_to_the_data_check():
 def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):
     from {{ cookiecutter.package }} import data
 
-    monkeypatch.setattr(data, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
     text = tmp_path / "t.txt"
-    text.write_bytes(bytes(range(256)) * 3)
-    assert prepare(text, tmp_path / "t.bin") == 768
-    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == list(range(256)) * 3
+    text.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    tracemalloc.start()
+    try:
+        assert prepare(text, tmp_path / "t.bin") == 2**20
+        assert tracemalloc.get_traced_memory()[1] < 2**18  # not the whole text, nor its tokens
+    finally:
+        tracemalloc.stop()
+    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == list(range(256)) * 4096
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.txt"]
 
 
