@@ -92,6 +92,7 @@ EXPECTED_FILES = {
     "tests/test_check.py",
     "tests/test_checkpoint.py",
     "tests/test_config.py",
+    "tests/test_data.py",
     "tests/test_doctor.py",
     "tests/test_evaluate.py",
     "tests/test_failfast.py",

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import PACKAGE
 
 from {{ cookiecutter.package }}.check import config_problem
@@ -47,6 +48,10 @@ BAD = [
         "model.depth: no such key; allowed: n_layer, n_head, d_model",
     ),
     ("data=tokens model=gpt data.vocab_size=1", "data.vocab_size=1: must be at least 2"),
+    ("data=tokens model=gpt data.seq_len=0", "data.seq_len=0: must be at least 1"),
+    ("data.num_classes=1", "data.num_classes=1: must be at least 2"),
+    ("data.num_features=0", "data.num_features=0: must be at least 1"),
+    ("model.hidden_dim=0", "model.hidden_dim=0: must be at least 1"),
     (
         "trainer.precision=fp8",
         "trainer.precision: Invalid value 'fp8', expected one of [bf16, fp16, fp32]",
@@ -76,8 +81,33 @@ BAD = [
         "nccl=fastest",
         "nccl=fastest: no such option; allowed: auto, infiniband, nccl_default, pcie_safe, socket",
     ),
-    ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* variable names"),
-    ("nccl.env.NCCL_P2P_DISABLE=1", "nccl.env.NCCL_P2P_DISABLE: no such key"),
+    ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* or TORCH_NCCL_*"),
+    ("nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* or TORCH_NCCL_*"),
+    ("nccl.env.nccl_algo=Ring", "nccl.env.nccl_algo: keys must be NCCL_* or TORCH_NCCL_*"),
+    (
+        "nccl.env.NCCL_P2P_DISABLE=1",
+        "nccl.env.NCCL_P2P_DISABLE: set it with nccl.p2p_disable instead",
+    ),
+    (
+        "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
+        "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING: set it with dist.async_error_handling instead",
+    ),
+    (
+        "nccl.env.NCCL_NVLS_ENABLE=true",
+        "nccl.env.NCCL_NVLS_ENABLE=true: NCCL reads a number here, not a bool; write 1 or 0",
+    ),
+    ("nccl.env.NCCL_ALGO=", "nccl.env.NCCL_ALGO: empty; give a value, or null"),
+    ("nccl.env.NCCL_ALGO=[]", "nccl.env.NCCL_ALGO: empty; give a value, or null"),
+    ("nccl.env.NCCL_ALGO=" + "R" * 5000, "nccl.env.NCCL_ALGO: 5000 characters;"),
+    ("nccl.env=5", "nccl.env: Cannot assign int to Dict"),
+    ("nccl.debug_subsys=''", "nccl.debug_subsys: empty; give a value, or null"),
+    ("nccl.p2p_level=FAST", "nccl.p2p_level=FAST: must be one of LOC, NVL, PIX, PXB, PHB, SYS"),
+    ("nccl.ib_gid_index=256", "nccl.ib_gid_index=256: must be -1 (NCCL picks) to 255"),
+    ("nccl.ib_gid_index=three", "nccl.ib_gid_index: Value 'three' of type 'str' could not be"),
+    (
+        "deploy.node_selector.gpu=a100",
+        "deploy.node_selector.gpu: no such key; add it to the map with +deploy.node_selector.gpu=",
+    ),
     (
         "trainer.max_steps",
         "trainer.max_steps: not an override Hydra can read (missing EQUAL at '<EOF>'); write key=value",
@@ -109,7 +139,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("override", "message"), BAD, ids=[o for o, _ in BAD])
+@pytest.mark.parametrize(("override", "message"), BAD, ids=[o[:60] for o, _ in BAD])
 def test_each_bad_value_is_one_line_naming_the_key(override, message):
     problem = config_problem(override.split())
     assert problem is not None and "\n" not in problem
@@ -159,3 +189,160 @@ def test_every_command_refuses_a_key_added_with_plus_like_a_typo(tmp_path, comma
     assert done.returncode == 2
     assert done.stderr.startswith("config error: trainer.foo: no such key; allowed: max_steps,")
     assert len(done.stderr.splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+# As the README, the NCCL docs and the remedy texts write them; the shell has taken any quotes.
+NCCL_FORMS = [
+    ("nccl.debug=INFO nccl.debug_subsys=INIT,NET", {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}),
+    ("nccl.debug_subsys=[INIT,NET]", {"NCCL_DEBUG_SUBSYS": "INIT,NET"}),
+    ("nccl.debug_subsys=^ALLOC", {"NCCL_DEBUG_SUBSYS": "^ALLOC"}),
+    ("nccl.ib_hca=mlx5_0,mlx5_1", {"NCCL_IB_HCA": "mlx5_0,mlx5_1"}),
+    ("nccl.ib_hca='mlx5_0,mlx5_1'", {"NCCL_IB_HCA": "mlx5_0,mlx5_1"}),
+    ("nccl.ib_hca==mlx5_0:1", {"NCCL_IB_HCA": "=mlx5_0:1"}),
+    ("nccl.socket_ifname=^lo,docker", {"NCCL_SOCKET_IFNAME": "^lo,docker"}),
+    ("nccl.env.NCCL_ALGO=Ring", {"NCCL_ALGO": "Ring"}),
+    ("+nccl.env.NCCL_ALGO=Ring,Tree", {"NCCL_ALGO": "Ring,Tree"}),
+    ("nccl.env.NCCL_IBEXT_DISABLE=1 nccl.env.NCCL_BUFFSIZE=8388608",
+     {"NCCL_IBEXT_DISABLE": "1", "NCCL_BUFFSIZE": "8388608"}),
+    ("nccl.env.TORCH_NCCL_BLOCKING_WAIT=1", {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
+    ("nccl.env={NCCL_ALGO:Tree,NCCL_PROTO:LL} nccl.env.NCCL_ALGO=null", {"NCCL_PROTO": "LL"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "env"), NCCL_FORMS, ids=[o for o, _ in NCCL_FORMS])
+def test_nccl_values_work_as_nccl_writes_them(overrides, env):
+    from {{ cookiecutter.package }} import nccl
+    from {{ cookiecutter.package }}.check import load_config
+
+    config = load_config(["nccl=nccl_default", *overrides.split()])
+    assert nccl.decide(config.nccl, None, inherited={}).env == env
+
+
+def test_train_reads_nccl_values_as_nccl_writes_them(tmp_path):
+    """train's own command line (config.hydra_argv), which the launcher hands the overrides to."""
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", "--cfg", "job", "nccl.debug_subsys=INIT,NET",
+         "nccl.env.NCCL_ALGO=Ring,Tree", "nccl.socket_ifname=^lo"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    nccl = yaml.safe_load(done.stdout)["nccl"]
+    assert (nccl["debug_subsys"], nccl["socket_ifname"]) == ("INIT,NET", "^lo")
+    assert nccl["env"] == {"NCCL_ALGO": "Ring,Tree"}
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def configs_copy(tmp_path):
+    """A project's configs/, to break."""
+    import shutil
+    from importlib.resources import files
+
+    configs = tmp_path / "configs"
+    shutil.copytree(str(files(f"{PACKAGE}.configs")), configs)
+    (configs / "local").mkdir(exist_ok=True)
+    return configs
+
+
+NOT_YAML = [
+    (b"trainer:\n\tmax_steps: 3\n",
+     "line 2, column 1: not YAML: found character '\\t' that cannot start any token (indent YAML with spaces)"),
+    (b"trainer: [1, 2\nfoo: 1\n",
+     "line 2, column 4: not YAML: expected ',' or ']', but got ':' (while parsing a flow sequence from line 1)"),
+    (b"trainer:\n  a: 1\n  a: 2\n",
+     "line 3, column 3: not YAML: found duplicate key a (while constructing a mapping from line 2)"),
+    (b"\xff\xfe\x00", ": not UTF-8 text (byte 0): not a YAML file"),
+    (b"42\n", ": holds a int; a config file holds keys and values"),
+    (b"- trainer\n", ": holds a list; a config file holds keys and values"),
+    # Hydra reads the header up to the first plain comment: this one puts the keys under local.
+    (b"# this machine\n# @package _global_\ntrainer:\n  max_steps: 3\n",
+     ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml has it): "
+     "Hydra reads it there only, and without it puts the keys under `local`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    NOT_YAML,
+    ids=["tab", "bracket", "duplicate", "binary", "int", "list", "header"],
+)
+def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
+    configs_copy, text, message
+):
+    from {{ cookiecutter.package }}.check import describe, load_config
+    from {{ cookiecutter.package }}.config import ConfigError
+
+    (configs_copy / "local" / "default.yaml").write_bytes(text)
+    with pytest.raises(ConfigError) as failure:
+        load_config([], configs_copy)
+    where = f"{configs_copy / 'local' / 'default.yaml'}"
+    assert describe(failure.value) == where + ("" if message.startswith(":") else ", ") + message
+
+
+def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
+    from {{ cookiecutter.package }}.check import load_config
+    from {{ cookiecutter.package }}.config import ConfigError
+
+    (configs_copy / "local" / "default.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):
+        load_config([], configs_copy)
+
+
+def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
+    configs_copy, monkeypatch, capsys
+):
+    """train's command line (config.hydra_argv) reads configs/ before Hydra does."""
+    from {{ cookiecutter.package }} import config
+
+    (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
+    monkeypatch.setattr(config, "configs_folder", lambda: configs_copy)
+    with pytest.raises(SystemExit) as stopped:
+        config.hydra_argv(["trainer.max_steps=3"])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    where = configs_copy / "local" / "default.yaml"
+    assert line.startswith(f"config error: {where}, line 2, column 1: not YAML: found character")
+
+
+def test_k8s_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
+    project = configs_copy.parent
+    (project / "pyproject.toml").write_text("")
+    (configs_copy / "local" / "default.yaml").write_text("deploy: {nodes: 2\n")
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s"], cwd=project,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    where = "configs/local/default.yaml, line 2, column 1"
+    assert done.stderr.startswith(f"config error: {where}: not YAML: expected ',' or '}}'")
+    assert len(done.stderr.splitlines()) == 1 and not (project / "k8s").exists()
+
+
+@pytest.mark.parametrize(
+    ("nproc", "message"),
+    [
+        ("0", "error: --nproc-per-node=0: must be at least 1"),
+        ("-1", "error: --nproc-per-node=-1: must be at least 1"),
+        ("4", "config error: data.batch_size=128: each of 4 process(es) gets 75 of the 300"),
+    ],
+)
+def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
+    """--nproc-per-node checks a node of that many: its shards too, not only its GPUs."""
+    from {{ cookiecutter.package }}.check import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")  # main sets both; monkeypatch puts them back
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    argv = ["check", "--nproc-per-node", nproc, "data.num_samples=300", "dist.backend=gloo"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert main() == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(message)
+
+
+@pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start", "on_job_start"])
+def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys, hook):
+    from {{ cookiecutter.package }}.check import ConfigCheck
+
+    with pytest.raises(SystemExit) as stopped:
+        bad = compose_train("trainer.max_steps=-1")
+        getattr(ConfigCheck(), hook)(config=bad, task_function=None)  # as Hydra calls them
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "config error: trainer.max_steps=-1: must be at least 1\n"

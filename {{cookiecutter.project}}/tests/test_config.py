@@ -26,7 +26,7 @@ PROFILE_ENV = {
 
 def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     """Each group's file is composed as written, into the typed schema of its option."""
-    from pathlib import Path
+    from importlib.resources import files
 
     import yaml
 
@@ -37,7 +37,9 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     assert isinstance(config.model, schemas.MlpConfig) and isinstance(
         config.data, schemas.PointsConfig
     )
-    configs = Path(schemas.__file__).parent / "configs"
+    # Where Hydra finds them (pkg://): beside config.py when installed, the project's configs/
+    # in an editable install.
+    configs = files("{{ cookiecutter.package }}.configs")
     for group, option in [
         ("model", "mlp"),
         ("data", "synthetic"),
@@ -153,3 +155,37 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
     (configs / "local" / "default.yaml").unlink()
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         assert compose(config_name="train", overrides=["experiment=smoke"]).trainer.max_steps == 20
+
+
+def test_nccl_overrides_are_rewritten_once_and_only_theirs():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from {{ cookiecutter.package }}.config import hydra_overrides
+
+    given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
+             "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
+             "nccl.debug_subsys=INIT,NET", "+nccl.env.NCCL_ALGO=Ring", "nccl.ib_hca=null",
+             "nccl.env.NCCL_PROTO=choice(LL,Simple)", "nccl.socket_ifname=${oc.env:IFACE}",
+             "~nccl.env.NCCL_X"]  # fmt: skip
+    rewritten = hydra_overrides(given)
+    changed = {new for old, new in zip(given, rewritten, strict=True) if old != new}
+    assert changed == {"nccl.debug_subsys='INIT,NET'", "++nccl.env.NCCL_ALGO='Ring'",
+                       "++nccl.env.NCCL_PROTO=choice(LL,Simple)"}  # fmt: skip
+    assert hydra_overrides(rewritten) == rewritten
+    # Under -m a bare comma list is still NCCL's list; choice() is how to sweep over values.
+    parsed = OverridesParser.create().parse_overrides(rewritten[6:])
+    sweeps = [override.key_or_group for override in parsed if override.is_sweep_override()]
+    assert sweeps == ["nccl.debug", "nccl.env.NCCL_PROTO"]
+
+
+def test_configs_are_found_where_the_configs_package_is_not_beside_config_py(monkeypatch):
+    """An editable install maps <package>.configs to the project's configs/, away from config.py
+    (the Quick start's make test failed on that); config.py's place must not matter."""
+    import importlib
+    from pathlib import Path
+
+    from {{ cookiecutter.package }} import config
+
+    package = Path(importlib.import_module("{{ cookiecutter.package }}.configs").__file__).parent
+    monkeypatch.setattr(config, "__file__", "/nowhere/config.py")
+    assert config.configs_folder() == package and (package / "train.yaml").is_file()

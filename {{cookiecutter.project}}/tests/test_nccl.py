@@ -1,5 +1,7 @@
 """The NCCL decision rules and their precedence, against fake node facts: no GPU needed."""
 
+import re
+
 import pytest
 
 from {{ cookiecutter.package }} import nccl
@@ -40,6 +42,14 @@ def test_auto_disables_p2p_on_a_pcie_pair_whose_copy_hangs_or_fails(outcome):
     decision = nccl.decide(AUTO, facts(nvlink=(), tests={(0, 1): outcome}), inherited={})
     assert decision.env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
     assert f"GPU0-GPU1 {outcome}" in decision.settings["NCCL_P2P_DISABLE"].source
+
+
+def test_auto_leaves_p2p_alone_where_one_process_uses_one_gpu_of_the_node():
+    """No peer traffic inside the node: a broken pair there is no reason to change P2P."""
+    node = facts(nvlink=(), world=2, local_world=1, tests={(0, 1): "hang"})
+    decision = nccl.decide(AUTO, node, inherited={})
+    assert decision.env == {"NCCL_IB_DISABLE": "1"}
+    assert "NCCL_P2P_DISABLE" not in decision.settings
 
 
 def test_auto_on_mixed_links_keeps_nvlink_and_drops_only_broken_pcie():
@@ -201,6 +211,30 @@ def test_explicit_async_error_handling_beats_torchruns_default_quietly():
 def test_env_map_refuses_non_nccl_and_shadowed_keys(env, message):
     with pytest.raises(ConfigError, match=message):
         NcclConfig(env=env)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"env": {"NCCL_ALGO": "Ring\nTree"}}, "nccl.env.NCCL_ALGO='Ring\\nTree': holds a control"),
+        ({"socket_ifname": "eth0 "}, "nccl.socket_ifname='eth0 ': spaces at its ends"),
+        ({"ib_hca": "x" * 4097}, "nccl.ib_hca: 4097 characters;"),
+        ({"env": {"NCCL_ALGO": True}}, "nccl.env.NCCL_ALGO=True: NCCL reads a number here"),
+        ({"ib_gid_index": -2}, "nccl.ib_gid_index=-2: must be -1 (NCCL picks) to 255"),
+        ({"p2p_level": "nvl"}, "nccl.p2p_level=nvl: must be one of LOC, NVL,"),
+    ],
+)
+def test_values_no_environment_variable_can_hold_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        NcclConfig(**fields)
+
+
+def test_a_null_env_entry_sets_nothing():
+    cfg = NcclConfig(env={"NCCL_ALGO": None, "NCCL_PROTO": "LL"})
+    assert nccl.decide(cfg, None, inherited={"NCCL_ALGO": "Tree"}).env == {
+        "NCCL_ALGO": "Tree",
+        "NCCL_PROTO": "LL",
+    }
 
 
 TOPO_NV18 = """\

@@ -3,8 +3,10 @@
     python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
 
 train runs the same check (ConfigCheck) once Hydra has composed its config, before any run dir or
-process group exists. The Kubernetes Job runs it as an init container: its exit code 2 is
-the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
+process group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts.
+Its exit code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every
+failure as 1). It reads what train reads: every configs/ file as YAML, the overrides as
+config.hydra_overrides rewrites them, and a token file (config.token_file_problem).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from {{ cookiecutter.package }}.config import (
     ConfigError,
     TrainConfig,
+    configs_folder,
     exit_with_error,
+    hydra_overrides,
     register_configs,
     to_train_config,
     typed,
+    yaml_problem,
 )
 
 EXIT_CONFIG_ERROR = 2
@@ -51,7 +56,10 @@ def one_line(err: Exception) -> str:
     if full_key:
         reason = str(getattr(cause, "msg", cause)).strip().splitlines()[0]
         if "not in" in reason:
-            return f"{full_key}: no such key; allowed: {', '.join(schema_keys(cause))}"
+            allowed = schema_keys(cause)
+            if not allowed:  # a map (deploy.node_selector): its keys are the user's to add
+                return f"{full_key}: no such key; add it to the map with +{full_key}=..."
+            return f"{full_key}: no such key; allowed: {', '.join(allowed)}"
         if isinstance(cause, MissingMandatoryValue):
             return f"{full_key}: no value; set it in configs/ or as {full_key}=..."
         return f"{full_key}: {reason}"
@@ -70,22 +78,28 @@ def configs_at(folder: Path | None) -> AbstractContextManager:
     return initialize_config_dir(config_dir=str(folder.resolve()), version_base="1.3")
 
 
+def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False) -> DictConfig:
+    """configs/train.yaml composed with `overrides` as train reads them (config.hydra_argv)."""
+    problem = yaml_problem(folder or configs_folder())
+    if problem:
+        raise ConfigError(problem)
+    register_configs()
+    with configs_at(folder):
+        return compose(
+            config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=hydra
+        )
+
+
 def load_config(
     overrides: list[str], folder: Path | None = None, this_node: bool = True
 ) -> TrainConfig:
     """The config that train composes with `overrides`, checked; raises on a bad one."""
-    register_configs()
-    with configs_at(folder):
-        cfg = compose(config_name="train", overrides=overrides)
-    return to_train_config(cfg, this_node=this_node)
+    return to_train_config(compose_train(overrides, folder), this_node=this_node)
 
 
 def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
     """The option of a config group that train composes with `overrides`, e.g. nccl -> auto."""
-    register_configs()
-    with configs_at(folder):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    return cfg.hydra.runtime.choices[group]
+    return compose_train(overrides, folder, hydra=True).hydra.runtime.choices[group]
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
@@ -132,11 +146,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--nproc-per-node", type=int, help="check that this many GPUs are visible")
+    parser.add_argument(
+        "--nproc-per-node", type=int,
+        help="check for this many processes on one node: GPUs visible, a batch for each shard",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    if args.nproc_per_node:
-        os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc_per_node)
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            print(f"error: --nproc-per-node={args.nproc_per_node}: must be at least 1",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_CONFIG_ERROR
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(args.nproc_per_node)
     problem = config_problem(args.overrides)
     if problem:
         print(f"config error: {problem}", file=sys.stderr)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional
 
@@ -134,23 +137,84 @@ class TokensConfig(DataConfig):
         require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
         require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
         if self.path is not None:
-            require(
-                Path(self.path).is_file(), "data.path", self.path,
-                f"no such file here ({Path.cwd()}); make one with python -m {__package__}.data TEXT OUT",
-            )  # fmt: skip
-            sequences = file_sequences(self)
-            require(
-                sequences >= 2, "data.path", self.path,
-                f"holds {sequences} sequence(s) of data.seq_len={self.seq_len} tokens; need at least 2",
-            )  # fmt: skip
+            problem = token_file_problem(self)
+            if problem:
+                raise ConfigError(f"data.path={self.path}: {problem}")
 
 
 HELD_OUT = 10  # one part in this many is held out for evaluation
+TOKEN_BYTES = 2  # a token file holds uint16 ids, as nanoGPT writes them (data.TOKEN_DTYPE)
+CHUNK_TOKENS = 2**24  # read 32 MiB of a token file at a time: any size scans in bounded memory
+SCANNED_VAR = "DDP_TOKEN_FILE_SCAN"  # a scan's result, for the processes this one starts
+
+
+def token_file_problem(data: TokensConfig) -> str | None:
+    """Why data.path is no token file for this config, or None. Checked when the config is, so
+    that a bad file is one line before any process starts, not an error at the first batch."""
+    make = f"make one with python -m {__package__}.data TEXT OUT"
+    if not data.path:
+        return "an empty path; give a token file, or null for synthetic tokens"
+    path = Path(data.path)
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            return f"a directory, not a token file; {make}"
+        if not path.is_file():  # a FIFO or a device: opening one may wait forever
+            return f"not a regular file; {make}"
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        return f"no such file here ({Path.cwd()}); {make}"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if size % TOKEN_BYTES:
+        return f"holds {size} bytes, an odd count: not a file of 2-byte (uint16) tokens; {make}"
+    sequences = file_sequences(data)
+    if sequences < 2:
+        return (
+            f"holds {sequences} sequence(s) of data.seq_len={data.seq_len} tokens "
+            f"({size // TOKEN_BYTES} tokens); need at least 2"
+        )
+    top, at = largest_token(path)
+    if top >= data.vocab_size:
+        return (
+            f"holds token id {top} (token {at} of the file), not below data.vocab_size="
+            f"{data.vocab_size}; raise data.vocab_size to {top + 1}, or check that the file "
+            f"holds uint16 tokens ({make})"
+        )
+    return None
+
+
+def largest_token(path: Path) -> tuple[int, int]:
+    """The largest id in a token file and where it is, read a chunk at a time. The result is
+    kept in the environment, keyed by the file's identity: the launcher reads the file once, and
+    the workers it starts (heirs of its environment) do not read it again."""
+    import numpy as np  # here, so that rendering k8s/ needs no numpy
+
+    stat = path.stat()
+    file = f"{path.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        known = json.loads(os.environ.get(SCANNED_VAR, "{}"))
+        if known.get("file") == file:
+            return int(known["max"]), int(known["at"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass  # not ours, or garbled: read the file
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    top, at = -1, 0
+    for start in range(0, len(tokens), CHUNK_TOKENS):
+        chunk = tokens[start : start + CHUNK_TOKENS]
+        index = int(chunk.argmax())
+        if int(chunk[index]) > top:
+            top, at = int(chunk[index]), start + index
+    del tokens
+    os.environ[SCANNED_VAR] = json.dumps({"file": file, "max": top, "at": at})
+    return top, at
 
 
 def file_sequences(data: TokensConfig) -> int:
-    """How many sequences of seq_len + 1 tokens (2 bytes each) the token file holds."""
-    return (Path(data.path).stat().st_size // 2 - 1) // data.seq_len
+    """How many sequences of seq_len + 1 tokens (consecutive ones share a token) the file holds."""
+    tokens = Path(data.path).stat().st_size // TOKEN_BYTES
+    return max(0, tokens - 1) // data.seq_len
 
 
 def training_samples(data: DataConfig) -> tuple[int, str]:
@@ -159,6 +223,14 @@ def training_samples(data: DataConfig) -> tuple[int, str]:
         sequences = file_sequences(data)
         return sequences - max(1, sequences // HELD_OUT), f"data.path={data.path}"
     return data.num_samples, f"data.num_samples={data.num_samples}"
+
+
+def held_out_samples(data: DataConfig) -> tuple[int, str]:
+    """Samples evaluation reads (data.build_dataset(held_out=True)), and the key that says how
+    many."""
+    if isinstance(data, TokensConfig) and data.path is not None:
+        return max(1, file_sequences(data) // HELD_OUT), f"data.path={data.path}"
+    return data.num_samples // HELD_OUT, f"data.num_samples={data.num_samples}"
 
 
 @dataclass
@@ -329,7 +401,8 @@ class NcclConfig:
     socket_ifname: Optional[str] = None
     debug: Optional[NcclDebug] = None
     debug_subsys: Optional[str] = None
-    env: Dict[str, str] = field(default_factory=dict)  # any other NCCL_* variable
+    # Any other NCCL_* or TORCH_NCCL_* variable: nccl.env.NCCL_ALGO=Ring (null: leave it to NCCL)
+    env: Dict[str, Optional[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         errors = nccl.config_errors(self)
@@ -422,8 +495,19 @@ def check_devices(config: TrainConfig, world: World) -> None:
     )
 
 
-def check_data(config: TrainConfig, world: World) -> None:
-    """Every process needs at least one full batch of its shard, or it never takes a step."""
+def check_data(config: TrainConfig, world: World, held_out: bool = False) -> None:
+    """Training: every process needs at least one full batch of its shard, or it never takes a
+    step. Evaluation (held_out): every process needs a held-out sample; its last batch may be
+    short, so any batch size does."""
+    if held_out:
+        samples, source = held_out_samples(config.data)
+        if samples < world.size:
+            fewer = f"on at most {samples} process(es), or " if samples else ""
+            raise ConfigError(
+                f"{source}: {samples} held-out sample(s) (one in {HELD_OUT}) for {world.size} "
+                f"process(es), which need one each; evaluate {fewer}with more data"
+            )
+        return
     samples, source = training_samples(config.data)
     per_process = samples // world.size
     require(
@@ -466,16 +550,17 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
 
 
 def to_train_config(
-    cfg: DictConfig, world: World | None = None, this_node: bool = True
+    cfg: DictConfig, world: World | None = None, this_node: bool = True, held_out: bool = False
 ) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key.
-    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster)."""
+    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
+    held_out=True checks the data for evaluation rather than training (check_data)."""
     world = world or World.from_env()
     check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
     if this_node:
         check_devices(config, world)
-    check_data(config, world)
+    check_data(config, world, held_out)
     check_combinations(config)
     return config
 
@@ -490,9 +575,9 @@ OPTION_SCHEMAS = {
 }
 
 
-def from_saved(saved: dict[str, Any], overrides: list[str]) -> TrainConfig:
+def from_saved(saved: dict[str, Any], overrides: list[str], held_out: bool = False) -> TrainConfig:
     """A checkpoint's config (the plain dict it holds) typed and checked again, with dotted
-    key=value overrides on top."""
+    key=value overrides on top; held_out=True checks its data for evaluation (check_data)."""
     parts: dict[str, Any] = {}
     for group, values in saved.items():
         options = OPTION_SCHEMAS.get(group)
@@ -511,7 +596,7 @@ def from_saved(saved: dict[str, Any], overrides: list[str]) -> TrainConfig:
         cfg.merge_with_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(" ".join(str(err).split())) from None
-    return to_train_config(cfg)
+    return to_train_config(cfg, held_out=held_out)
 
 
 def typed(cfg: DictConfig) -> TrainConfig:
@@ -520,6 +605,116 @@ def typed(cfg: DictConfig) -> TrainConfig:
     with open_dict(task):
         task.pop("hydra", None)
     return to_train_config(task)
+
+
+# What NCCL reads as comma lists (NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_IB_HCA=mlx5_0,mlx5_1, and
+# many nccl.env variables: NCCL_ALGO=Ring,Tree) Hydra reads as a sweep, and a value that starts
+# with NCCL's ^ (exclude) or = (exact match) it cannot read at all, unless quoted.
+NCCL_TEXT_KEY = re.compile(
+    r"(\+?\+?)(nccl\.(?:" + "|".join(nccl.TEXT_FIELDS) + r"|env\.[^=]*))=(.*)", re.DOTALL
+)
+SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
+
+
+def nccl_text(value: str) -> str:
+    """A value for a NCCL text key, quoted so that Hydra reads it as one string; a list
+    [a,b] becomes the comma list 'a,b'. Quoted values, null, interpolations and sweep functions
+    stay as they are."""
+    as_given = value in ("", "null") or value[0] in "'\"" or "${" in value
+    if as_given or SWEEP_FUNCTION.fullmatch(value):
+        return value
+    if value.startswith("[") and value.endswith("]"):
+        value = ",".join(item.strip().strip("'\"") for item in value[1:-1].split(","))
+    quote = "'" if "'" not in value else '"'
+    return value if quote in value else f"{quote}{value}{quote}"
+
+
+def hydra_overrides(overrides: list[str]) -> list[str]:
+    """Overrides as Hydra must read them to mean what NCCL's syntax says, as the README and the
+    remedies write them:
+      nccl.debug_subsys=INIT,NET (or [INIT,NET])  ->  nccl.debug_subsys='INIT,NET'
+      nccl.env.NCCL_ALGO=Ring                      ->  ++nccl.env.NCCL_ALGO='Ring'  (adds the key)
+      nccl.env={NCCL_ALGO:Ring}                    ->  ++nccl.env={NCCL_ALGO:Ring}
+    Under -m too: a bare comma list is NCCL's list, never a sweep; sweep with choice(Ring,Tree).
+    Other arguments pass as given, and a rewritten override rewritten again stays the same."""
+    rewritten = []
+    for override in overrides:
+        match = NCCL_TEXT_KEY.fullmatch(override)
+        if match:
+            plus, key, value = match.groups()
+            plus = "++" if key.startswith("nccl.env.") else plus
+            override = f"{plus}{key}={nccl_text(value)}"
+        elif override.startswith("nccl.env="):  # a whole map, nccl.env={NCCL_ALGO:Ring}
+            override = f"++{override}"
+        rewritten.append(override)
+    return rewritten
+
+
+def configs_folder() -> Path:
+    """The configs/ that Hydra reads (pkg://<package>.configs): beside this module when
+    installed, the project's configs/ in an editable install."""
+    return Path(str(files(f"{__package__}.configs")))
+
+
+GLOBAL_GROUPS = ("experiment", "local")  # their files set keys anywhere: # @package _global_
+# Hydra reads `# @key value` lines up to the first other line, blank ones aside.
+GLOBAL_HEADER = re.compile(r"(\s*#\s*@[^\n]*\n|\s*\n)*\s*#\s*@package\s+_global_\s*(\n|$)")
+
+
+def yaml_problem(folder: Path) -> str | None:
+    """The first file under `folder` that Hydra could not use, as one line naming the file, the
+    line and the problem; None when all can be used. (Hydra's own report is a parser traceback of
+    some 70 lines, or a key error about a group.)"""
+    for path in sorted(folder.rglob("*.yaml")):
+        shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
+        problem = yaml_file_problem(path, path.relative_to(folder).parts[0])
+        if problem:
+            return f"{shown}{problem}"
+    return None
+
+
+def yaml_file_problem(path: Path, group: str) -> str | None:
+    """What yaml_problem says of one file, after its name; None if Hydra can use it."""
+    import yaml
+    from omegaconf._utils import get_yaml_loader  # Hydra's loader: what it rejects, we do
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        loaded = yaml.load(text, Loader=get_yaml_loader())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(err.problem or err.context or "").split())
+        if "'\\t'" in problem:
+            problem += " (indent YAML with spaces)"
+        elif err.context and err.problem:
+            opened = err.context_mark
+            since = f" from line {opened.line + 1}" if opened and opened is not mark else ""
+            problem += f" ({err.context}{since})"
+        return f"{where}: not YAML: {problem}"
+    except yaml.YAMLError as err:
+        return f": not YAML: {' '.join(str(err).split())}"
+    except UnicodeDecodeError as err:
+        return f": not UTF-8 text (byte {err.start}): not a YAML file"
+    except OSError as err:
+        return f": cannot be read ({err.strerror or err})"
+    if loaded is not None and not isinstance(loaded, dict):
+        return f": holds a {type(loaded).__name__}; a config file holds keys and values"
+    if group in GLOBAL_GROUPS and not GLOBAL_HEADER.match(text):
+        return (
+            f": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml "
+            f"has it): Hydra reads it there only, and without it puts the keys under `{group}`"
+        )
+    return None
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """train's command line before Hydra reads it: a configs/ file that is not YAML stops it in
+    one line, and the overrides are rewritten as hydra_overrides says."""
+    problem = yaml_problem(configs_folder())
+    if problem:
+        exit_with_error(f"config error: {problem}")
+    return hydra_overrides(argv)
 
 
 def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:

@@ -188,12 +188,46 @@ def build_loader(
     return loader, sampler
 
 
+CHUNK_BYTES = 2**26  # text read 64 MiB at a time: a file of any size converts in bounded memory
+
+
 def prepare(text: Path, out: Path) -> int:
     """A token file from text: its UTF-8 bytes, one token each (a vocabulary of 256). Swap in a
-    real tokenizer for real work (nanoGPT's prepare scripts use tiktoken's GPT-2 encoding)."""
-    tokens = np.frombuffer(text.read_bytes(), dtype=np.uint8).astype(TOKEN_DTYPE)
-    tokens.tofile(out)
-    return len(tokens)
+    real tokenizer for real work (nanoGPT's prepare scripts use tiktoken's GPT-2 encoding).
+    Written beside `out` and renamed into place: an interrupted run leaves no partial file that
+    a training run would read."""
+    partial = out.with_name(f".{out.name}.partial")
+    count = 0
+    try:
+        with text.open("rb") as source, partial.open("wb") as sink:
+            while chunk := source.read(CHUNK_BYTES):
+                np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPE).tofile(sink)
+                count += len(chunk)
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return count
+
+
+def prepare_problem(text: Path, out: Path) -> str | None:
+    """Why `python -m ... data TEXT OUT` cannot run, as one line; None if it can."""
+    if not text.exists():
+        return f"{text}: no such file"
+    if not text.is_file():
+        return f"{text}: not a file"
+    try:
+        with text.open("rb") as source:
+            if not source.read(1):
+                return f"{text}: empty, no tokens to write"
+    except OSError as err:
+        return f"{text}: cannot be read ({err.strerror or err})"
+    if out.is_dir():
+        return f"{out}: a directory; name the token file to write, e.g. {out / 'tokens.bin'}"
+    if not out.parent.is_dir():
+        return f"{out}: no folder {out.parent} to write it in"
+    if out.exists() and out.samefile(text):
+        return f"{out}: the text file itself; write the tokens to another file"
+    return None
 
 
 def main() -> int:
@@ -203,10 +237,19 @@ def main() -> int:
     parser.add_argument("text", type=Path, help="a text file")
     parser.add_argument("out", type=Path, help="the token file to write, e.g. data/sample.bin")
     args = parser.parse_args()
-    if not args.text.is_file():
-        print(f"error: {args.text}: no such file", file=sys.stderr)
+    problem = prepare_problem(args.text, args.out)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    count = prepare(args.text, args.out)
+    try:
+        count = prepare(args.text, args.out)
+    except OSError as err:
+        print(f"error: {err.filename or args.out}: {err.strerror or err}; {args.out} not written",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted; {args.out} not written", file=sys.stderr)
+        return 130
     print(f"wrote {count} tokens (bytes; data.vocab_size >= 256) to {args.out}")
     return 0
 

@@ -31,6 +31,10 @@ FIELD_VARS = {
     "debug": "NCCL_DEBUG",
     "debug_subsys": "NCCL_DEBUG_SUBSYS",
 }
+# The fields that hold text; NCCL reads the last three (and many nccl.env values) as comma lists.
+TEXT_FIELDS = ("p2p_level", "ib_hca", "socket_ifname", "debug_subsys")
+P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS", "0", "1", "2", "3", "4", "5")
+MAX_VALUE_CHARS = 4096  # an environment variable: Linux refuses one over 128 KiB at exec
 NCCL_VAR = re.compile(r"NCCL_[A-Z0-9_]+")
 TRACKED_VAR = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")  # what the report shows from the environment
 # torchrun puts these into every worker's environment unless its own environment has them.
@@ -143,20 +147,60 @@ def config_env(nccl_cfg: Any) -> dict[str, tuple[str, str]]:
         if value is not None:
             explicit[var] = (env_value(value), f"config nccl.{name}")
     for var, value in nccl_cfg.env.items():
-        explicit[var] = (env_value(value), f"config nccl.env.{var}")
+        if value is not None:
+            explicit[var] = (env_value(value), f"config nccl.env.{var}")
     return explicit
+
+
+def value_error(key: str, value: Any) -> str | None:
+    """What is wrong with a text value for an environment variable, or None."""
+    text = str(value)
+    if not text:
+        return f"{key}: empty; give a value, or null to leave the variable to NCCL"
+    if any(ord(char) < 32 or ord(char) == 127 for char in text):
+        return f"{key}={text!r}: holds a control character (a newline?); give one line"
+    if text != text.strip():
+        return f"{key}={text!r}: spaces at its ends, which NCCL would read as part of it"
+    if len(text) > MAX_VALUE_CHARS:
+        return f"{key}: {len(text)} characters; an environment variable here takes at most {MAX_VALUE_CHARS}"
+    return None
 
 
 def config_errors(nccl_cfg: Any) -> list[str]:
     """Problems that typing alone cannot catch, one line each, naming the key."""
     errors = []
-    field_of = {var: name for name, var in FIELD_VARS.items()}
-    for var in nccl_cfg.env:
-        if not NCCL_VAR.fullmatch(var):
-            errors.append(f"nccl.env.{var}: keys must be NCCL_* variable names (A-Z, 0-9, _)")
+    field_of = {var: f"nccl.{name}" for name, var in FIELD_VARS.items()}
+    field_of["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "dist.async_error_handling"
+    for name in TEXT_FIELDS:
+        value = getattr(nccl_cfg, name)
+        if value is not None:
+            errors.append(value_error(f"nccl.{name}", value))
+    index = nccl_cfg.ib_gid_index
+    if index is not None and not -1 <= index <= 255:
+        errors.append(
+            f"nccl.ib_gid_index={index}: must be -1 (NCCL picks) to 255 (NCCL_IB_GID_INDEX)"
+        )
+    level = nccl_cfg.p2p_level
+    if level is not None and str(level) not in P2P_LEVELS:
+        errors.append(
+            f"nccl.p2p_level={level}: must be one of {', '.join(P2P_LEVELS[:6])} (NCCL_P2P_LEVEL)"
+        )
+    for var, value in nccl_cfg.env.items():
+        if not TRACKED_VAR.fullmatch(var):
+            errors.append(
+                f"nccl.env.{var}: keys must be NCCL_* or TORCH_NCCL_* variable names (A-Z, 0-9, _)"
+            )
         elif var in field_of:
-            errors.append(f"nccl.env.{var}: set it with nccl.{field_of[var]} instead")
-    return errors
+            errors.append(f"nccl.env.{var}: set it with {field_of[var]} instead")
+        elif value is None:
+            continue  # left to NCCL: unsets what a profile sets
+        elif str(value).lower() in ("true", "false"):
+            errors.append(
+                f"nccl.env.{var}={value}: NCCL reads a number here, not a bool; write 1 or 0"
+            )
+        else:
+            errors.append(value_error(f"nccl.env.{var}", value))
+    return [error for error in errors if error]
 
 
 def pairs_text(pairs: list[tuple[int, int]]) -> str:

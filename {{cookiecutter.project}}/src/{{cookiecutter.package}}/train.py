@@ -32,6 +32,7 @@ from {{ cookiecutter.package }} import PROJECT, checkpoint, failfast, metrics, n
 from {{ cookiecutter.package }}.config import (
     TrainConfig,
     exit_with_error,
+    hydra_argv,
     register_configs,
     typed,
     uses_cuda,
@@ -278,4 +279,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     checkpoint.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
+    sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
     main()

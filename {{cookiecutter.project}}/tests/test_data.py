@@ -1,0 +1,226 @@
+"""Token files and the held-out split: a bad file is one line before any process starts."""
+
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import PACKAGE
+
+from {{ cookiecutter.package }} import config
+from {{ cookiecutter.package }}.check import config_problem, load_config
+from {{ cookiecutter.package }}.config import ConfigError, check_data
+from {{ cookiecutter.package }}.data import prepare
+from {{ cookiecutter.package }}.world import World
+
+GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_scan(monkeypatch):
+    monkeypatch.delenv(config.SCANNED_VAR, raising=False)
+
+
+def tokens(path, ids):
+    np.asarray(ids, dtype=np.uint16).tofile(path)
+    return path
+
+
+def problem(path, *overrides):
+    return config_problem([*GPT, f"data.path={path}", *overrides])
+
+
+def test_a_good_token_file_passes(tmp_path):
+    assert problem(tokens(tmp_path / "t.bin", np.arange(100) % 256)) is None
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "holds 0 sequence(s) of data.seq_len=4 tokens (0 tokens); need at least 2"),
+        (b"\x01\x00" * 8, "holds 1 sequence(s) of data.seq_len=4 tokens (8 tokens); need at"),
+        (b"\x01" * 41, "holds 41 bytes, an odd count: not a file of 2-byte (uint16) tokens;"),
+    ],
+    ids=["empty", "one sequence", "odd"],
+)
+def test_a_token_file_of_the_wrong_size_is_one_line(tmp_path, content, message):
+    (tmp_path / "t.bin").write_bytes(content)
+    assert problem(tmp_path / "t.bin").startswith(f"data.path={tmp_path / 't.bin'}: {message}")
+
+
+def test_an_id_outside_the_vocabulary_is_named_with_where_it_is(tmp_path):
+    path = tokens(tmp_path / "t.bin", [*range(50), 300, 7])
+    assert problem(path, "data.vocab_size=256") == (
+        f"data.path={path}: holds token id 300 (token 50 of the file), not below data.vocab_size=256; "
+        f"raise data.vocab_size to 301, or check that the file holds uint16 tokens "
+        f"(make one with python -m {PACKAGE}.data TEXT OUT)"
+    )
+    assert problem(path, "data.vocab_size=300").startswith(f"data.path={path}: holds token id 300")
+    assert problem(path, "data.vocab_size=301") is None
+
+
+def test_a_text_file_given_as_tokens_is_refused(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world, this is text and no token file\n" * 4)
+    assert "holds token id" in problem(tmp_path / "t.txt")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.mkdir(), "a directory, not a token file;"),
+        (lambda p: None, "no such file here"),
+        (lambda p: os.mkfifo(p), "not a regular file;"),
+    ],
+    ids=["directory", "missing", "fifo"],
+)
+def test_a_path_that_is_no_file_is_one_line(tmp_path, make, message):
+    make(tmp_path / "t.bin")
+    assert problem(tmp_path / "t.bin").startswith(f"data.path={tmp_path / 't.bin'}: {message}")
+
+
+def test_an_unreadable_token_file_is_one_line(tmp_path, monkeypatch):
+    path = tokens(tmp_path / "t.bin", range(100))
+    real_open = type(path).open
+
+    def refuse(self, *args, **kwargs):  # chmod 000 does not stop root
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "open", refuse)
+    assert problem(path) == f"data.path={path}: cannot be read (Permission denied)"
+
+
+def test_an_empty_path_is_one_line():
+    assert problem("''").startswith("data.path=: an empty path; give a token file, or null")
+
+
+def test_a_huge_token_file_is_scanned_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """The largest id is found wherever it is, in memory that does not grow with the file."""
+    monkeypatch.setattr(config, "CHUNK_TOKENS", 1000)
+    path = tmp_path / "huge.bin"
+    with path.open("wb") as file:
+        file.truncate(2 * 10**7)  # 20 MB of zeros, sparse on disk
+        file.seek(2 * (10**7 - 3))
+        file.write(np.uint16(999).tobytes())
+    tracemalloc.start()
+    try:
+        assert config.largest_token(path) == (999, 10**7 - 3)
+        assert tracemalloc.get_traced_memory()[1] < 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_scan_is_reused_by_the_processes_started_after_it_until_the_file_changes(
+    tmp_path, monkeypatch
+):
+    reads, memmap = [], np.memmap
+    monkeypatch.setattr(
+        np, "memmap", lambda *args, **kwargs: reads.append(1) or memmap(*args, **kwargs)
+    )
+    path = tokens(tmp_path / "t.bin", [3, 1, 4, 1, 5, 9, 2, 6])
+    assert config.largest_token(path) == (9, 5) and len(reads) == 1
+    assert config.SCANNED_VAR in os.environ  # what torchrun's workers inherit from the launcher
+    assert config.largest_token(path) == (9, 5) and len(reads) == 1
+    before = path.stat().st_mtime_ns
+    tokens(path, [3, 1, 4, 1, 5, 9, 2, 60])  # the same size and inode: its time tells
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert config.largest_token(path) == (60, 7) and len(reads) == 2
+    monkeypatch.setenv(config.SCANNED_VAR, "{not json")
+    assert config.largest_token(path) == (60, 7) and len(reads) == 3
+
+
+def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check", *GPT, "data.path=odd.bin"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == (
+        "config error: data.path=odd.bin: holds 3 bytes, an odd count: not a file of 2-byte "
+        f"(uint16) tokens; make one with python -m {PACKAGE}.data TEXT OUT\n"
+    )
+
+
+def test_evaluation_checks_the_held_out_samples_not_a_training_batch(monkeypatch):
+    cfg = load_config(["data.num_samples=1000"])
+    cfg.data.batch_size = 100000  # more than training has: fine for evaluation's short last batch
+    with pytest.raises(ConfigError, match="data.batch_size=100000: each of 1 process"):
+        check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1))
+    check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1), held_out=True)
+    with pytest.raises(ConfigError) as refused:
+        check_data(cfg, World(rank=0, local_rank=0, size=101, local_size=101), held_out=True)
+    assert str(refused.value) == (
+        "data.num_samples=1000: 100 held-out sample(s) (one in 10) for 101 process(es), which "
+        "need one each; evaluate on at most 100 process(es), or with more data"
+    )
+    cfg.data.num_samples = 9
+    with pytest.raises(ConfigError, match=r"=9: 0 held-out sample\(s\) .* evaluate with more data"):
+        check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1), held_out=True)
+
+
+def test_from_saved_passes_held_out_to_the_data_check():
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(
+        OmegaConf.structured(load_config(["data.num_samples=1000"])), enum_to_str=True
+    )
+    with pytest.raises(ConfigError, match="training samples"):
+        config.from_saved(saved, ["data.batch_size=100000"])
+    assert config.from_saved(saved, ["data.batch_size=100000"], held_out=True)
+
+
+def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):
+    from {{ cookiecutter.package }} import data
+
+    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    tracemalloc.start()
+    try:
+        assert prepare(text, tmp_path / "t.bin") == 2**20
+        assert tracemalloc.get_traced_memory()[1] < 2**18  # not the whole text, nor its tokens
+    finally:
+        tracemalloc.stop()
+    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == list(range(256)) * 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.txt"]
+
+
+def test_an_interrupted_prepare_leaves_no_token_file(tmp_path, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+
+    def interrupted(self, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(text), "replace", interrupted)  # the last moment before it is done
+    with pytest.raises(KeyboardInterrupt):
+        prepare(text, tmp_path / "t.bin")
+    assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]
+
+
+@pytest.mark.parametrize(
+    ("text", "out", "message"),
+    [
+        ("missing.txt", "t.bin", "error: missing.txt: no such file"),
+        ("empty.txt", "t.bin", "error: empty.txt: empty, no tokens to write"),
+        ("folder", "t.bin", "error: folder: not a file"),
+        ("t.txt", "folder", "error: folder: a directory; name the token file to write"),
+        ("t.txt", "nowhere/t.bin", "error: nowhere/t.bin: no folder nowhere to write it in"),
+        ("t.txt", "t.txt", "error: t.txt: the text file itself; write the tokens to another file"),
+    ],
+)
+def test_the_data_command_refuses_bad_arguments_in_one_line(
+    tmp_path, monkeypatch, capsys, text, out, message
+):
+    from {{ cookiecutter.package }} import data
+
+    (tmp_path / "t.txt").write_text("text")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["data", text, out])
+    assert data.main() == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(message) and (tmp_path / "t.txt").read_text() == "text"
