@@ -53,13 +53,16 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained):
         nproc=2,
     )
     assert two.returncode == 0, two.stderr[-3000:]
+    # Each run overwrites eval/step_000000030.json: read the two-process result before the next.
+    sharded = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
     again = evaluate(trained, f"ckpt={run_dir / 'checkpoints' / 'step_000000030.pt'}")
-    both = [json.loads((run_dir / "eval" / "step_000000030.json").read_text())]
-    assert again.returncode == 0
-    both.append(json.loads((run_dir / "eval" / "step_000000030.json").read_text()))
-    assert both[0]["loss"] == pytest.approx(both[1]["loss"], rel=1e-5)  # two shards, one whole
-    assert both[0]["held_out_predictions"] == both[1]["held_out_predictions"]
-    assert both[1]["loss"] > result["loss"]  # step 30 knew less than step 60
+    assert again.returncode == 0, again.stderr[-3000:]
+    whole = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
+    assert (sharded["world_size"], whole["world_size"]) == (2, 1)
+    assert sharded["held_out_predictions"] == whole["held_out_predictions"] == 16384 // HELD_OUT
+    assert sharded["loss"] == pytest.approx(whole["loss"], rel=1e-5)  # two shards, one whole
+    assert sharded["accuracy"] == pytest.approx(whole["accuracy"], abs=1e-9)
+    assert whole["loss"] > result["loss"]  # step 30 knew less than step 60
 
 
 @pytest.mark.parametrize(
