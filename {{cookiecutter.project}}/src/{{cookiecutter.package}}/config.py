@@ -466,16 +466,18 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
 
 
 def to_train_config(
-    cfg: DictConfig, world: World | None = None, this_node: bool = True
+    cfg: DictConfig, world: World | None = None, this_node: bool = True, training: bool = True
 ) -> TrainConfig:
     """The composed config as typed objects, checked; ConfigError names the bad key.
-    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster)."""
+    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
+    training=False skips the training data's check (evaluate checks its held-out data itself)."""
     world = world or World.from_env()
     check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
     if this_node:
         check_devices(config, world)
-    check_data(config, world)
+    if training:
+        check_data(config, world)
     check_combinations(config)
     return config
 
@@ -511,7 +513,7 @@ def from_saved(saved: dict[str, Any], overrides: list[str]) -> TrainConfig:
         cfg.merge_with_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(" ".join(str(err).split())) from None
-    return to_train_config(cfg)
+    return to_train_config(cfg, training=False)
 
 
 def typed(cfg: DictConfig) -> TrainConfig:
