@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -30,9 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +120,8 @@ def template_ms(
 ) -> float:
     """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
     timed = replace(cfg.trainer, max_steps=warmup + steps, log_every=WINDOW, checkpoint_every=0)
+    # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
+    run_dir.mkdir(parents=True, exist_ok=True)
     Trainer(replace(cfg, trainer=timed), world, device, run_dir, control).train()
     if not world.main:
         return float("nan")
@@ -307,28 +312,86 @@ def launch(args: argparse.Namespace, nproc: int) -> dict:
     return json.loads(found.group(1))
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number, at least {low}; got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0; got {text!r}")
+    return value
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the figures could not be written to `path`, found before an hour of benchmarking
+    rather than after it; None when they can."""
+    if path.is_dir():
+        return "it is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{folder}/ does not exist"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-"):
+            pass
+        if path.exists():
+            with path.open("a"):
+                pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = Parser(
+        prog=f"{PACKAGE}.bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--pairs", type=at_least(1), default=5, help="template/reference pairs")
+    parser.add_argument(
+        "--warmup", type=at_least(0), default=20, help="untimed steps (rounded up to 10s)"
     )
     parser.add_argument(
-        "--pairs", type=int, default=5, help="template/reference pairs (at least 1)"
+        "--steps", type=at_least(1), default=40, help="timed steps (rounded up to 10s)"
     )
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps (rounded up to 10s)")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps (rounded up to 10s)")
     parser.add_argument(
         "--json", type=Path, default=Path("bench.json"), help="where the figures go"
     )
-    parser.add_argument("--timeout-s", type=float, default=1800, help="for the whole launch")
+    parser.add_argument("--timeout-s", type=seconds, default=1800, help="for the whole launch")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # its scratch dir
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    args.pairs = max(1, args.pairs)
-    args.warmup = -(-max(0, args.warmup) // WINDOW) * WINDOW
-    args.steps = -(-max(1, args.steps) // WINDOW) * WINDOW
+    args.warmup = -(-args.warmup // WINDOW) * WINDOW
+    args.steps = -(-args.steps // WINDOW) * WINDOW
     if args.worker:
         worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
         return 0
+    problem = unwritable(args.json)
+    if problem:
+        parser.exit(
+            2, f"{parser.prog}: --json {args.json}: cannot write the figures there: {problem}\n"
+        )
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
     check.load_or_exit(args.overrides)
@@ -337,8 +400,15 @@ def main() -> int:
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return 1
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    except KeyboardInterrupt:
+        print("bench: stopped by Ctrl-C; nothing was measured to the end", file=sys.stderr)
+        return 130
     print(render(report))
+    try:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as err:  # writable when checked: the table above is what is left
+        print(f"bench: could not write {args.json}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"\nfigures: {args.json}")
     return 0
 
