@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -31,11 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -44,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.package }} import allreduce, check, ddp, train
 from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
+from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
 from {{ cookiecutter.package }}.world import World
@@ -300,48 +298,10 @@ def launch(args: argparse.Namespace, nproc: int) -> dict:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
             raise BenchFailed(f"no result within {args.timeout_s:g} s") from None
-    output = done.stdout + done.stderr
     found = RESULT_LINE.search(done.stdout)
     if done.returncode != 0 or not found:
-        raised = [  # a worker's exception; torchrun's own ChildFailedError says little
-            line for line in re.findall(r"^(?:\[rank\d+\]: )?(?:\w+\.)*\w+(?:Error|Exception): .*$", output, re.MULTILINE)
-            if "ChildFailedError" not in line
-        ]  # fmt: skip
-        reason = raised[0] if raised else "\n".join(output.strip().splitlines()[-12:])
-        raise BenchFailed(f"exit {done.returncode}: {reason}")
+        raise BenchFailed(f"exit {done.returncode}: {root_cause(done.stdout + done.stderr)}")
     return json.loads(found.group(1))
-
-
-class Parser(argparse.ArgumentParser):
-    """A bad argument is one line, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number, at least {low}; got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0; got {text!r}")
-    return value
 
 
 def unwritable(path: Path) -> str | None:
