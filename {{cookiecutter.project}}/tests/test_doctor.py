@@ -43,8 +43,9 @@ def test_doctor_text_report_names_the_checks():
         assert heading in done.stdout
 
 
-# Real torchrun output (torch 2.13, gloo, 2 processes; frames inside torch cut): rank 1 fails,
-# rank 0 fails as a consequence, and torchrun's summary ends in lines that name neither cause.
+# Real torchrun output, frames inside torch cut: on CPU (torch 2.13, gloo, 2 processes: rank 1
+# fails, rank 0 fails as a consequence) and on one H200 (torch 2.11, NCCL 2.28.9: two processes on
+# one GPU; one process with NCCL_SOCKET_IFNAME=nope). torchrun's summary names no cause.
 TORCHRUN_FAILURES = {
     "gloo_init": (
         r"""
@@ -198,6 +199,78 @@ Root Cause (first observed failure):
 ======================================================
 """,
         "rank 1 was killed by SIGKILL",
+    ),
+    "cuda_two_ranks_on_one_gpu": (
+        r"""
+*****************************************
+Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system being overloaded, please further tune the variable for optimal performance in your application as needed.
+*****************************************
+Traceback (most recent call last):
+  File "/tmp/p/pkg/allreduce.py", line 85, in <module>
+  File "/tmp/p/pkg/allreduce.py", line 63, in main
+torch.AcceleratorError: CUDA error: invalid device ordinal
+GPU device may be out of range, do you have enough GPUs?
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.
+
+W1201 05:42:45.248000 560 torch/distributed/elastic/multiprocessing/api.py:1012] Sending process 587 closing signal SIGTERM
+E1201 05:42:45.281000 560 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 1 (pid: 588) of binary: /opt/torch/.venv/bin/python3
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pkg.allreduce FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_05:42:45
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 587)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 587
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_05:42:45
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 588)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+""",
+        "rank 1: torch.AcceleratorError: CUDA error: invalid device ordinal",
+    ),
+    "nccl_init": (
+        r"""Traceback (most recent call last):
+  File "/tmp/p/pkg/allreduce.py", line 85, in <module>
+  File "/tmp/p/pkg/allreduce.py", line 65, in main
+torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3135, invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.28.9
+ncclInvalidUsage: This usually reflects invalid usage of NCCL library.
+Last error:
+Bootstrap : no socket interface found
+[W1201 05:43:06.490629756 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called before program exit, which can leak resources. For more info, please see https://pytorch.org/docs/stable/distributed.html#shutdown (function operator())
+E1201 05:43:07.189000 643 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 0 (pid: 670) of binary: /opt/torch/.venv/bin/python3
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pkg.allreduce FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_05:43:07
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 670)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+""",
+        "rank 0: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3135, invalid usage (run with NCCL_DEBUG=WARN for d ... Last error: Bootstrap : no socket interface found",
     ),
 }
 
