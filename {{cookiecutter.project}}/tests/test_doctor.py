@@ -5,6 +5,7 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -383,3 +384,40 @@ def test_one_process_all_reduce_reports_its_init_and_no_bandwidth(monkeypatch, c
 def test_bus_bandwidth_is_nccl_tests_formula(nbytes, seconds, world, gbps):
     # nccl-tests' all_reduce_perf: busbw = algbw * 2 (n - 1) / n
     assert allreduce.bus_bandwidth_gbps(nbytes, seconds, world) == pytest.approx(gbps)
+
+
+def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it(
+    monkeypatch, capsys
+):
+    measured = {
+        "auto": doctor.ProfileResult("auto", {}, "works", 1.0, {"1MiB": 20.0, "64MiB": 300.0, "1024MiB": 400.0}),
+        "nccl_default": doctor.ProfileResult("nccl_default", {}, "works", 1.0, {"1MiB": 30.0, "64MiB": 200.0, "1024MiB": 450.0}),
+        "pcie_safe": doctor.ProfileResult("pcie_safe", {}, "fails", error="rank 1: RuntimeError: boom"),
+        "socket": doctor.ProfileResult("socket", {}, "hangs", error="no result within 90 s"),
+    }  # fmt: skip
+    calls = []
+
+    def run_profile(name, env, nproc, sizes, timeout_s):
+        calls.append((name, nproc, sizes))
+        return measured[name]
+
+    monkeypatch.setattr(doctor.probe, "gpu_count", lambda: 2)
+    monkeypatch.setattr(doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok"))
+    monkeypatch.setattr(doctor, "run_profile", run_profile)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2")
+    code, out, _ = doctor_main(monkeypatch, capsys)
+    assert code == 0
+    assert calls == [(name, 2, doctor.GPU_SIZES_MIB) for name in doctor.PROFILES]
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] == ["pcie_safe"]}
+    assert rows["pcie_safe"].split()[1] == "fails"
+    assert rows["pcie_safe"].endswith("   rank 1: RuntimeError: boom")
+    assert "Recommended: nccl=nccl_default, the fastest profile that works here. Pin it:" in out
+    assert "(nccl=auto, the default, reaches 89% of it at 1024MiB)" in out  # 400 / 450
+    measured["nccl_default"] = replace(measured["nccl_default"], result="fails")
+    code, out, _ = doctor_main(monkeypatch, capsys, "--json")
+    assert (code, json.loads(out)["recommended"]) == (0, "auto")
+    for name in ("auto", "nccl_default"):
+        measured[name] = replace(measured[name], result="fails")
+    code, out, _ = doctor_main(monkeypatch, capsys)
+    assert code == 1 and "No profile works." in out
