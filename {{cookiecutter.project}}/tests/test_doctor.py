@@ -369,7 +369,7 @@ def test_one_process_all_reduce_reports_its_init_and_no_bandwidth(monkeypatch, c
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["allreduce", "--sizes-mib"])
+    monkeypatch.setattr(sys, "argv", ["allreduce", "--sizes-mib", "1"])  # one process: moot
     allreduce.main()
     (line,) = capsys.readouterr().out.splitlines()
     measured = json.loads(line.removeprefix("ALLREDUCE "))
