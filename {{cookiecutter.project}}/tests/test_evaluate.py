@@ -258,6 +258,8 @@ def test_latest_falls_back_to_the_newest_checkpoint_that_loads_and_says_so(
         ("ckpt=", "config error: ckpt= is empty; write ckpt=<file|run dir|latest> or key=value"),
         ("ckpt=run", "config error: ckpt=run: no checkpoint in run/checkpoints\n"),
         ("data.batch_size=abc", "config error: "),
+        ("ckpt=/dev/null", "config error: ckpt=/dev/null: not a regular file nor a run dir\n"),
+        (f"ckpt={'a' * 5000}", f"config error: ckpt={'a' * 100}...: File name too long\n"),
         ("data.batch_size=0", "config error: data.batch_size=0: must be at least 1"),
     ],
 )

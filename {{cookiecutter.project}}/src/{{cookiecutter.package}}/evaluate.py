@@ -114,6 +114,11 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
     if not ckpt:
         raise ConfigError(f"ckpt= is empty; {USAGE}")
     path = Path(ckpt)
+    try:
+        kind = "dir" if path.is_dir() else "file" if path.is_file() else path.exists() and "other"
+    except OSError as err:  # a name too long, say: nothing to find there
+        shown = ckpt if len(ckpt) <= 120 else f"{ckpt[:100]}..."
+        raise ConfigError(f"ckpt={shown}: {err.strerror or err}") from None
     if ckpt == "latest":
         try:
             runs = (
@@ -126,15 +131,16 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
                 f"ckpt=latest: cannot list {outputs}/: {err.strerror or err}"
             ) from None
         none, where = f"no run under {outputs}/ has a checkpoint", f"under {outputs}/"
-    elif path.is_dir():
+    elif kind == "dir":
         if path.name == "checkpoints" and not (path / "checkpoints").is_dir():
             path = path.parent  # the run's checkpoints/ folder named instead of the run
         runs, where = [path], f"in {path / 'checkpoints'}"
         none = f"no checkpoint {where}"
-    elif path.is_file():
+    elif kind == "file":
         return path, load(path), ""
     else:
-        raise ConfigError(f"ckpt={ckpt}: no such file or run dir")
+        what = "not a regular file nor a run dir" if kind else "no such file or run dir"
+        raise ConfigError(f"ckpt={ckpt}: {what}")
     found, state, passed = newest_usable(runs)
     damaged = [p for p in passed if not p.endswith("(no checkpoint)")]
     if found is None and not damaged:
