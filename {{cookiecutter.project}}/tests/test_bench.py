@@ -192,3 +192,19 @@ def test_the_template_loop_runs_in_a_run_dir_it_makes_whatever_the_logger(tmp_pa
     assert ms > 0 and (run_dir / "metrics.jsonl").stat().st_size
     if logger == "csv":
         assert (run_dir / "metrics.csv").stat().st_size
+
+
+def test_the_table_puts_each_figure_in_its_row_and_column():
+    report = bench.figures(result(times([10.0], [8.0], [16.0], [10.0]), allreduce_ms=5.0))
+    table = bench.render({**report, **HEADER, "gradient_allreduce": HEADER["gradient_allreduce"]})
+    rows = {line[:22].strip(): line[22:].split("  ") for line in table.splitlines()[5:8]}
+    cells = {name: [c.strip() for c in row if c.strip()] for name, row in rows.items()}
+    assert cells == {
+        "reference step ms": ["8.000 (8.000-8.000)", "10.000 (10.000-10.000)"],
+        "template step ms": ["10.000 (10.000-10.000)", "16.000 (16.000-16.000)"],
+        "template / reference": ["1.250 (1.250-1.250)", "1.600 (1.600-1.600)"],
+    }
+    assert table.splitlines()[4].split() == ["1", "CPU", "process", "2", "CPU", "processes"]
+    assert "scaling efficiency 1 -> 2: template 0.625 (0.625-0.625), reference 0.800" in table
+    assert ("all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
+            "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)") in table  # fmt: skip
