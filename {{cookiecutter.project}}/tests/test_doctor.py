@@ -323,8 +323,8 @@ def test_one_gpu_has_nothing_between_gpus_to_test_and_says_what_it_checked(one_g
     code, out, err = doctor_main(monkeypatch, capsys)
     assert code == 0, out + err
     assert one_gpu.calls == [(name, 1, []) for name in doctor.PROFILES]  # one process, no sizes
-    assert "GPUs: 1, links from none; testing with 1 processes" in out
-    assert ("one GPU: nothing between GPUs to test (NCCL needs a GPU per process); checked the "
+    assert "GPUs: 1, links from none; testing with 1 process\n" in out
+    assert ("One GPU: nothing between GPUs to test (NCCL needs a GPU per process); checked the "
             "node's facts above and one process's NCCL init under each profile") in out  # fmt: skip
     assert out.rstrip().endswith(
         "Nothing between GPUs to test here. One process's NCCL init works under auto, "

@@ -226,7 +226,7 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         sizes = GPU_SIZES_MIB if between else []
         if not between:
             report["note"] = (
-                f"{'one GPU' if gpus == 1 else f'--nproc 1 of {gpus} GPUs'}: nothing between GPUs "
+                f"{'One GPU' if gpus == 1 else f'--nproc 1 of {gpus} GPUs'}: nothing between GPUs "
                 "to test (NCCL needs a GPU per process); checked the node's facts above and one "
                 "process's NCCL init under each profile"
             )
@@ -253,7 +253,7 @@ def render(report: dict) -> str:
     v = report["versions"]
     lines = [
         f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, driver {v['driver']}",
-        f"GPUs: {report['gpus']}, links from {report['links_from']}; testing with {report['nproc']} processes",
+        f"GPUs: {report['gpus']}, links from {report['links_from']}; testing with {report['nproc']} process{'es' if report['nproc'] > 1 else ''}",
     ]
     if report["p2p"]:
         lines += ["", "P2P matrix       link     claimed  peer copy"]
@@ -277,7 +277,7 @@ def render(report: dict) -> str:
         "",
         f"{'profile':<14}{'result':<8}{'init':>7}"
         + "".join(f"{s:>9}" for s in sizes)
-        + "   (bus GB/s)",
+        + ("   (bus GB/s)" if sizes else ""),
     ]
     for r in report["profiles"]:
         init = f"{r['init_s']:6.1f}s" if r["init_s"] is not None else "      -"
