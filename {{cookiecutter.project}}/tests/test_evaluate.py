@@ -252,6 +252,18 @@ def test_latest_falls_back_to_the_newest_checkpoint_that_loads_and_says_so(
     )
 
 
+def test_ctrl_c_is_one_line(tmp_path, compose_train, run_here, monkeypatch):
+    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "evaluate", interrupted)
+    assert run_here(tmp_path, "ckpt=run") == (
+        130, "", "evaluate: stopped by Ctrl-C before the score was complete; nothing saved\n"
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("arg", "message"),
     [

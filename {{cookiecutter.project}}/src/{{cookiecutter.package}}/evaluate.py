@@ -257,9 +257,10 @@ def result_path(path: Path) -> Path:
 
 
 def save(result: dict, out: Path) -> None:
-    """Whole or not at all: a reader never finds half a JSON file."""
+    """Whole or not at all: a reader never finds half a JSON file, and two evaluations of one
+    checkpoint at once each write their own before the rename."""
     out.parent.mkdir(exist_ok=True)
-    partial = out.with_name(f".partial-{out.name}")
+    partial = out.with_name(f".partial-{os.getpid()}-{out.name}")
     try:
         partial.write_text(json.dumps(result, indent=2) + "\n")
         os.replace(partial, out)
@@ -279,6 +280,11 @@ def main() -> int:
         if world.local_rank == 0:
             print(f"config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if world.local_rank == 0:
+            print("evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
+                  file=sys.stderr)  # fmt: skip
+        return 130
     if not world.main:
         return 0
     score = (f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
