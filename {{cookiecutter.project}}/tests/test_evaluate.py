@@ -70,31 +70,6 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained):
     assert whole["loss"] > result["loss"]  # step 30 knew less than step 60
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["ckpt=nowhere"], "config error: ckpt=nowhere: no such file or run dir"),
-        (["model.depth=3"], "config error: model.depth: the checkpoint's config decides it"),
-        (["verbose"], "config error: verbose: write ckpt=<file|run dir|latest> or key=value"),
-    ],
-)
-def test_a_bad_argument_is_one_line(trained, args, message):
-    done = evaluate(trained, *args)
-    assert (
-        done.returncode == 2
-        and done.stderr.startswith(message)
-        and len(done.stderr.splitlines()) == 1
-    )
-
-
-def test_latest_without_any_run_is_one_line(tmp_path):
-    done = evaluate(tmp_path, "ckpt=latest")
-    assert (done.returncode, done.stderr) == (
-        2,
-        "config error: ckpt=latest: no run under outputs/ has a checkpoint\n",
-    )
-
-
 # --- in-process: evaluate.main on checkpoints written here, no launch -------------------------
 
 
@@ -267,6 +242,10 @@ def test_ctrl_c_is_one_line(tmp_path, compose_train, run_here, monkeypatch):
 @pytest.mark.parametrize(
     ("arg", "message"),
     [
+        ("ckpt=nowhere", "config error: ckpt=nowhere: no such file or run dir\n"),
+        ("model.depth=3", "config error: model.depth: the checkpoint's config decides it; "),
+        ("verbose", "config error: verbose: write ckpt=<file|run dir|latest> or key=value\n"),
+        ("ckpt=latest", "config error: ckpt=latest: no run under outputs/ has a checkpoint\n"),
         ("ckpt=", "config error: ckpt= is empty; write ckpt=<file|run dir|latest> or key=value"),
         ("ckpt=run", "config error: ckpt=run: no checkpoint in run/checkpoints\n"),
         ("data.batch_size=abc", "config error: "),
