@@ -64,12 +64,12 @@ def test_figures_are_ratios_within_each_pair():
     assert report["template_over_reference"]["1"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert report["template_over_reference"]["2"] == {"median": pytest.approx(12 / 11, abs=1e-4),
                                                       "min": 1.0909, "max": 1.0909}  # fmt: skip
-    uneven = bench.figures(result(times([10.0, 10.0, 10.0], [10.0, 8.0, 5.0], [20.0, 30.0, 40.0],
-                                        [20.0, 20.0, 20.0]), allreduce_ms=20.0))  # fmt: skip
+    uneven = bench.figures(result(times([10.0, 10.0, 10.0], [10.0, 8.0, 5.0], [20.0, 30.0, 70.0],
+                                        [20.0, 20.0, 20.0]), allreduce_ms=25.0))  # fmt: skip
     assert uneven["template_over_reference"]["1"] == {"median": 1.25, "min": 1.0, "max": 2.0}
-    assert uneven["scaling_efficiency"]["template"] == {"median": 0.3333, "min": 0.25, "max": 0.5}
-    assert uneven["exposed_comm_ms"] == 20.0  # the median of 10, 20 and 30: not their mean
-    assert uneven["comm_hidden_share"] == 0.0
+    assert uneven["scaling_efficiency"]["template"] == {"median": 0.3333, "min": 0.1429, "max": 0.5}
+    assert uneven["exposed_comm_ms"] == 20.0  # the median of 10, 20 and 60: not their mean, 30
+    assert uneven["comm_hidden_share"] == 0.2  # 20 ms of a 25 ms all-reduce exposed
     assert report["scaling_efficiency"]["template"]["median"] == pytest.approx(10 / 12, abs=1e-4)
     assert report["scaling_efficiency"]["reference"]["median"] == pytest.approx(10 / 11, abs=1e-4)
     assert report["exposed_comm_ms"] == pytest.approx(2.5)  # median of 2 and 3
