@@ -282,6 +282,13 @@ def test_a_failed_launch_is_named_by_its_root_cause_not_by_torchruns_summary(cas
     assert doctor.root_cause(output) == cause
 
 
+def test_the_blamed_ranks_own_exception_wins_over_an_unlabelled_one():
+    # An exception line without a [rankN]: label (a subprocess of another rank, say) comes first.
+    output, cause = TORCHRUN_FAILURES["exception"]
+    stray = "ValueError: a line that any process could have printed\n"
+    assert doctor.root_cause(stray + output) == cause
+
+
 def test_a_failed_profile_row_names_the_root_cause(monkeypatch):
     output, cause = TORCHRUN_FAILURES["exception"]
     monkeypatch.setattr(doctor.probe, "run_with_hard_timeout",
