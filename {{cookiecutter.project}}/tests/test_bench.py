@@ -2,6 +2,7 @@
 pairing, the JSON and the clean exit are what users rely on. Speed targets live in the bench's
 GPU runs (BENCHMARKS.md), not in these tests."""
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -208,3 +209,15 @@ def test_the_table_puts_each_figure_in_its_row_and_column():
     assert "scaling efficiency 1 -> 2: template 0.625 (0.625-0.625), reference 0.800" in table
     assert ("all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
             "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)") in table  # fmt: skip
+
+
+def test_a_failed_launch_names_the_root_cause(monkeypatch):
+    from test_doctor import TORCHRUN_FAILURES
+
+    output, cause = TORCHRUN_FAILURES["system_exit"]  # rank 0's consequence is labelled, too
+    done = subprocess.CompletedProcess([], 1, stdout="", stderr=output)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *args, **kwargs: done)
+    args = argparse.Namespace(pairs=1, warmup=10, steps=10, overrides=[], timeout_s=60)
+    with pytest.raises(bench.BenchFailed) as failed:
+        bench.launch(args, 2)
+    assert str(failed.value) == f"exit 1: {cause}"
