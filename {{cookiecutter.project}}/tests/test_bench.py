@@ -2,6 +2,7 @@
 pairing, the JSON and the clean exit are what users rely on. Speed targets live in the bench's
 GPU runs (BENCHMARKS.md), not in these tests."""
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -9,12 +10,14 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import PACKAGE
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import bench
 from {{ cookiecutter.package }}.config import GptConfig, TokensConfig, TrainConfig
 from {{ cookiecutter.package }}.model import build_model
+from {{ cookiecutter.package }}.world import World
 
 
 def run_bench(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -60,7 +63,14 @@ def test_figures_are_ratios_within_each_pair():
     # The machine slows down by half in the second pair: the ratios stay what they were.
     report = bench.figures(result(times([10.0, 15.0], [10.0, 15.0], [12.0, 18.0], [11.0, 16.5])))
     assert report["template_over_reference"]["1"] == {"median": 1.0, "min": 1.0, "max": 1.0}
-    assert report["template_over_reference"]["2"]["median"] == pytest.approx(12 / 11, abs=1e-4)
+    assert report["template_over_reference"]["2"] == {"median": pytest.approx(12 / 11, abs=1e-4),
+                                                      "min": 1.0909, "max": 1.0909}  # fmt: skip
+    uneven = bench.figures(result(times([10.0, 10.0, 10.0], [10.0, 8.0, 5.0], [20.0, 30.0, 70.0],
+                                        [20.0, 20.0, 20.0]), allreduce_ms=25.0))  # fmt: skip
+    assert uneven["template_over_reference"]["1"] == {"median": 1.25, "min": 1.0, "max": 2.0}
+    assert uneven["scaling_efficiency"]["template"] == {"median": 0.3333, "min": 0.1429, "max": 0.5}
+    assert uneven["exposed_comm_ms"] == 20.0  # the median of 10, 20 and 60: not their mean, 30
+    assert uneven["comm_hidden_share"] == 0.2  # 20 ms of a 25 ms all-reduce exposed
     assert report["scaling_efficiency"]["template"]["median"] == pytest.approx(10 / 12, abs=1e-4)
     assert report["scaling_efficiency"]["reference"]["median"] == pytest.approx(10 / 11, abs=1e-4)
     assert report["exposed_comm_ms"] == pytest.approx(2.5)  # median of 2 and 3
@@ -110,3 +120,104 @@ def test_gpt2_small_is_gpt2_smalls_shape(compose_train):
     assert (cfg.data.seq_len, cfg.data.vocab_size, cfg.data.batch_size) == (1024, 50304, 8)
     block = 12 * 768**2 + 13 * 768  # attention 4d^2 + 4d, MLP 8d^2 + 5d, two layer norms 4d
     assert parameters(cfg) == 2 * 50304 * 768 + 1024 * 768 + 12 * block
+
+
+# --- in-process: the command's arguments and the worker's run dirs, no launch ---------------
+
+
+@pytest.fixture
+def bench_main(monkeypatch, capsys):
+    """bench_main(*args) -> (exit code, stdout, stderr) of bench's main, with the launch
+    replaced by `result` (a dict) or by a failure when none is given."""
+
+    def run(*args: str, result: dict | None = None) -> tuple[int, str, str]:
+        def launch(parsed, nproc):
+            assert result is not None, "the bench launched despite a bad argument"
+            return result
+
+        monkeypatch.setattr(bench, "launch", launch)
+        monkeypatch.setattr(sys, "argv", ["bench", *args])
+        try:
+            code = bench.main()
+        except SystemExit as stop:
+            code = stop.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pairs", "0"], "argument --pairs: must be a whole number, at least 1; got '0'"),
+        (["--pairs", "-1"], "argument --pairs: must be a whole number, at least 1; got '-1'"),
+        (["--pairs", "abc"], "argument --pairs: must be a whole number, at least 1; got 'abc'"),
+        (["--steps", "0"], "argument --steps: must be a whole number, at least 1; got '0'"),
+        (["--warmup", "-5"], "argument --warmup: must be a whole number, at least 0; got '-5'"),
+        (["--timeout-s", "nan"], "argument --timeout-s: must be a number of seconds above 0; got 'nan'"),
+        (["--nproc", "2"], "unrecognized arguments: --nproc"),
+        (["--json", "missing/b.json"], "--json missing/b.json: cannot write the figures there: missing/ does not exist"),
+        (["--json", "."], "--json .: cannot write the figures there: it is a directory"),
+    ],
+)  # fmt: skip
+def test_a_bad_argument_is_one_line_before_anything_runs(tmp_path, monkeypatch, bench_main, args,
+                                                         message):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    code, out, err = bench_main(*args)
+    assert (code, out) == (2, "")
+    assert err == f"{PACKAGE}.bench: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_figures_that_cannot_be_saved_are_printed_anyway(tmp_path, monkeypatch, bench_main):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "unwritable", lambda path: None)  # gone between check and write
+    canned = {**result(times([10.0], [10.0], [12.0], [11.0])), **HEADER}
+    code, out, err = bench_main("--json", "gone/b.json", result=canned)
+    assert code == 1
+    assert "template / reference" in out and "scaling efficiency 1 -> 2" in out
+    assert err.startswith("bench: could not write gone/b.json: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "csv"])
+def test_the_template_loop_runs_in_a_run_dir_it_makes_whatever_the_logger(tmp_path, compose_train,
+                                                                          logger):  # fmt: skip
+    cfg = OmegaConf.to_object(compose_train(f"logger={logger}"))
+    run_dir = tmp_path / "scratch" / "template-1-0"  # as the worker names it; nothing made yet
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ms = bench.template_ms(cfg, World(), torch.device("cpu"), None, run_dir, 10, 10)
+    finally:
+        dist.destroy_process_group()
+    assert ms > 0 and (run_dir / "metrics.jsonl").stat().st_size
+    if logger == "csv":
+        assert (run_dir / "metrics.csv").stat().st_size
+
+
+def test_the_table_puts_each_figure_in_its_row_and_column():
+    report = bench.figures(result(times([10.0], [8.0], [16.0], [10.0]), allreduce_ms=5.0))
+    table = bench.render({**report, **HEADER, "gradient_allreduce": HEADER["gradient_allreduce"]})
+    rows = {line[:22].strip(): line[22:].split("  ") for line in table.splitlines()[5:8]}
+    cells = {name: [c.strip() for c in row if c.strip()] for name, row in rows.items()}
+    assert cells == {
+        "reference step ms": ["8.000 (8.000-8.000)", "10.000 (10.000-10.000)"],
+        "template step ms": ["10.000 (10.000-10.000)", "16.000 (16.000-16.000)"],
+        "template / reference": ["1.250 (1.250-1.250)", "1.600 (1.600-1.600)"],
+    }
+    assert table.splitlines()[4].split() == ["1", "CPU", "process", "2", "CPU", "processes"]
+    assert "scaling efficiency 1 -> 2: template 0.625 (0.625-0.625), reference 0.800" in table
+    assert ("all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
+            "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)") in table  # fmt: skip
+
+
+def test_a_failed_launch_names_the_root_cause(monkeypatch):
+    from test_doctor import TORCHRUN_FAILURES
+
+    output, cause = TORCHRUN_FAILURES["system_exit"]  # rank 0's consequence is labelled, too
+    done = subprocess.CompletedProcess([], 1, stdout="", stderr=output)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *args, **kwargs: done)
+    args = argparse.Namespace(pairs=1, warmup=10, steps=10, overrides=[], timeout_s=60)
+    with pytest.raises(bench.BenchFailed) as failed:
+        bench.launch(args, 2)
+    assert str(failed.value) == f"exit 1: {cause}"

@@ -2,6 +2,8 @@
 processes; and the token files that data=tokens reads."""
 
 import json
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +13,11 @@ import torch
 from conftest import PACKAGE, launch, read_metrics, shared_folder, train_command
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.config import HELD_OUT
+from {{ cookiecutter.package }} import evaluate as evaluate_module
+from {{ cookiecutter.package }}.config import HELD_OUT, ConfigError
 from {{ cookiecutter.package }}.data import TokenFile, build_dataset, prepare
+from {{ cookiecutter.package }}.model import build_model
+from {{ cookiecutter.package }}.world import World
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 
@@ -53,38 +58,209 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained):
         nproc=2,
     )
     assert two.returncode == 0, two.stderr[-3000:]
+    # Each run overwrites eval/step_000000030.json: read the two-process result before the next.
+    sharded = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
     again = evaluate(trained, f"ckpt={run_dir / 'checkpoints' / 'step_000000030.pt'}")
-    both = [json.loads((run_dir / "eval" / "step_000000030.json").read_text())]
-    assert again.returncode == 0
-    both.append(json.loads((run_dir / "eval" / "step_000000030.json").read_text()))
-    assert both[0]["loss"] == pytest.approx(both[1]["loss"], rel=1e-5)  # two shards, one whole
-    assert both[0]["held_out_predictions"] == both[1]["held_out_predictions"]
-    assert both[1]["loss"] > result["loss"]  # step 30 knew less than step 60
+    assert again.returncode == 0, again.stderr[-3000:]
+    whole = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
+    assert (sharded["world_size"], whole["world_size"]) == (2, 1)
+    assert sharded["held_out_predictions"] == whole["held_out_predictions"] == 16384 // HELD_OUT
+    assert sharded["loss"] == pytest.approx(whole["loss"], rel=1e-5)  # two shards, one whole
+    assert sharded["accuracy"] == pytest.approx(whole["accuracy"], abs=1e-9)
+    assert whole["loss"] > result["loss"]  # step 30 knew less than step 60
+
+
+# --- in-process: evaluate.main on checkpoints written here, no launch -------------------------
+
+
+def write_checkpoint(path: Path, compose_train, *overrides: str, step: int = 5) -> Path:
+    """A checkpoint as the Checkpointer writes one (an untrained model): what evaluate reads."""
+    cfg = OmegaConf.to_object(compose_train(*overrides))
+    with torch.device("cpu"):
+        model = build_model(cfg.model, cfg.data)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": {}, "data": {},
+                "config": config}, path)  # fmt: skip
+    return path
+
+
+@pytest.fixture
+def run_here(monkeypatch, capsys):
+    """run_here(cwd, *args) -> (exit code, stdout, stderr) of evaluate's main, in this process."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(cwd: Path, *args: str) -> tuple[int, str, str]:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["evaluate", *args])
+        code = evaluate_module.main()
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def damaged(folder: Path, compose_train) -> dict[str, Path]:
+    good = write_checkpoint(folder / "good.pt", compose_train)
+    files = {"good": good, "empty": folder / "empty.pt", "text": folder / "text.pt",
+             "truncated": folder / "truncated.pt", "foreign": folder / "foreign.pt",
+             "keyless": folder / "keyless.pt", "pickle": folder / "pickle.pt",
+             "list": folder / "list.pt"}  # fmt: skip
+    files["empty"].write_bytes(b"")
+    files["text"].write_text("step: 5\nmodel: none\n")
+    files["truncated"].write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torch.save({"weight": torch.ones(3)}, files["foreign"])
+    state = torch.load(good, weights_only=True)
+    del state["config"]
+    torch.save(state, files["keyless"])
+    files["pickle"].write_bytes(pickle.dumps(World()))
+    torch.save([torch.ones(1)], files["list"])
+    return files
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("name", "why"),
     [
-        (["ckpt=nowhere"], "config error: ckpt=nowhere: no such file or run dir"),
-        (["model.depth=3"], "config error: model.depth: the checkpoint's config decides it"),
-        (["verbose"], "config error: verbose: write ckpt=<file|run dir|latest> or key=value"),
+        ("empty", "the file is empty"),
+        ("text", "not a checkpoint: torch.save writes a zip archive; this file starts b'step'"),
+        ("truncated", "truncated or corrupt: its zip archive has no end"),
+        ("foreign", "not a training checkpoint: it has no step, model, config (its keys: weight)"),
+        ("keyless", "not a training checkpoint: it has no config (its keys: data, model, "),
+        ("pickle", "holds Python objects beyond tensors and plain data"),
+        ("list", "not a training checkpoint: it holds a list, not a dict"),
     ],
 )
-def test_a_bad_argument_is_one_line(trained, args, message):
-    done = evaluate(trained, *args)
-    assert (
-        done.returncode == 2
-        and done.stderr.startswith(message)
-        and len(done.stderr.splitlines()) == 1
+def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(tmp_path, compose_train, run_here,
+                                                            name, why):  # fmt: skip
+    files = damaged(tmp_path, compose_train)
+    code, out, err = run_here(tmp_path, f"ckpt={files[name].name}")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"config error: ckpt={name}.pt: {why}") and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_outside_a_run_is_scored_with_its_result_beside_it(tmp_path, compose_train,
+                                                                      run_here):  # fmt: skip
+    write_checkpoint(tmp_path / "models" / "mine.pt", compose_train)
+    code, out, err = run_here(tmp_path, "ckpt=models/mine.pt")
+    assert code == 0, err
+    assert out.endswith(" held-out predictions -> models/eval/mine.json\n")
+    assert json.loads((tmp_path / "models" / "eval" / "mine.json").read_text())["step"] == 5
+
+
+def test_an_empty_held_out_set_is_one_line(tmp_path, compose_train, run_here):
+    # 9 samples: one part in HELD_OUT held out rounds down to none
+    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train,
+                     "data.num_samples=9", "data.batch_size=4")  # fmt: skip
+    code, out, err = run_here(tmp_path, "ckpt=run")
+    assert (code, out) == (2, "")
+    assert err == (
+        "config error: data.num_samples=9: the checkpoint's data holds 0 held-out sample(s), "
+        "fewer than the 1 process(es) scoring it: nothing to score\n"
     )
 
 
-def test_latest_without_any_run_is_one_line(tmp_path):
-    done = evaluate(tmp_path, "ckpt=latest")
-    assert (done.returncode, done.stderr) == (
-        2,
-        "config error: ckpt=latest: no run under outputs/ has a checkpoint\n",
+def test_more_processes_than_held_out_samples_is_refused_with_how_many_fit(compose_train):
+    cfg = OmegaConf.to_object(compose_train("data.num_samples=20"))  # 2 held out
+    with pytest.raises(ConfigError, match=r"holds 2 held-out sample\(s\), fewer than the 3 .*"
+                                          r"evaluate on at most 2 process\(es\)$"):  # fmt: skip
+        evaluate_module.held_out(cfg, World(size=3, local_size=3), batch_given=False)
+    assert len(evaluate_module.held_out(cfg, World(size=2, local_size=2), batch_given=False)) == 2
+
+
+def test_a_batch_size_too_large_speaks_of_held_out_samples(tmp_path, compose_train, run_here):
+    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train)
+    code, out, err = run_here(tmp_path, "ckpt=run", "data.batch_size=100000")
+    assert (code, out) == (2, "")
+    assert err == (
+        "config error: data.batch_size=100000: each of 1 process(es) scores 1638 of the 1638 "
+        "held-out samples of data.num_samples=16384; use a batch size of at most 1638\n"
     )
+    # the checkpoint's own batch size is no request: a large one is capped by the share
+    write_checkpoint(tmp_path / "big" / "checkpoints" / "step_000000005.pt", compose_train,
+                     "data.batch_size=4096", "data.num_samples=65536")  # fmt: skip
+    code, out, err = run_here(tmp_path, "ckpt=big/checkpoints")  # its checkpoints/ folder named
+    assert code == 0 and " on 6553 held-out predictions -> " in out, err
+
+
+def test_a_read_only_run_dir_still_prints_the_score(tmp_path, compose_train, run_here):
+    run = tmp_path / "run"
+    write_checkpoint(run / "checkpoints" / "step_000000005.pt", compose_train)
+    if os.geteuid() == 0:  # root writes through a read-only mode: an eval/ that cannot be made
+        (run / "eval").write_text("")
+    run.chmod(0o555)
+    try:
+        code, out, err = run_here(tmp_path, "ckpt=run")
+    finally:
+        run.chmod(0o755)
+    assert code == 1
+    assert out.startswith("run/checkpoints/step_000000005.pt: loss ") and out.endswith(
+        " on 1638 held-out predictions\n"
+    )
+    assert err.startswith("evaluate: could not save run/eval/step_000000005.json: ")
+    assert err.count("\n") == 1 and not list(run.glob("eval/.partial-*"))
+
+
+def test_latest_falls_back_to_the_newest_checkpoint_that_loads_and_says_so(
+    tmp_path, compose_train, run_here
+):
+    older = tmp_path / "outputs" / "2026-01-01_00-00-00_aaaaaa" / "checkpoints"
+    newer = tmp_path / "outputs" / "2026-01-02_00-00-00_bbbbbb" / "checkpoints"
+    write_checkpoint(older / "step_000000005.pt", compose_train)
+    write_checkpoint(newer / "step_000000007.pt", compose_train, step=7)
+    (newer / "step_000000007.pt").write_bytes(b"cut")
+    (tmp_path / "outputs" / "2026-01-03_00-00-00_cccccc").mkdir()  # started, nothing saved yet
+    code, out, err = run_here(tmp_path, "ckpt=latest")
+    assert code == 0, err
+    assert out.startswith(f"{older.relative_to(tmp_path)}/step_000000005.pt: loss ")
+    assert err == (
+        "ckpt=latest: scoring outputs/2026-01-01_00-00-00_aaaaaa/checkpoints/step_000000005.pt, "
+        "the newest that loads; passed over outputs/2026-01-03_00-00-00_cccccc (no checkpoint); "
+        "outputs/2026-01-02_00-00-00_bbbbbb/checkpoints/step_000000007.pt: not a checkpoint: "
+        "torch.save writes a zip archive; this file starts b'cut'\n"
+    )
+    (older / "step_000000005.pt").write_bytes(b"")
+    code, out, err = run_here(tmp_path, "ckpt=latest")
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "config error: ckpt=latest: no checkpoint under outputs/ loads; the newest: "
+    )
+
+
+def test_ctrl_c_is_one_line(tmp_path, compose_train, run_here, monkeypatch):
+    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "evaluate", interrupted)
+    assert run_here(tmp_path, "ckpt=run") == (
+        130, "", "evaluate: stopped by Ctrl-C before the score was complete; nothing saved\n"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("ckpt=nowhere", "config error: ckpt=nowhere: no such file or run dir\n"),
+        ("model.depth=3", "config error: model.depth: the checkpoint's config decides it; "),
+        ("verbose", "config error: verbose: write ckpt=<file|run dir|latest> or key=value\n"),
+        ("ckpt=latest", "config error: ckpt=latest: no run under outputs/ has a checkpoint\n"),
+        ("ckpt=", "config error: ckpt= is empty; write ckpt=<file|run dir|latest> or key=value"),
+        ("ckpt=run", "config error: ckpt=run: no checkpoint in run/checkpoints\n"),
+        ("data.batch_size=abc", "config error: "),
+        ("ckpt=/dev/null", "config error: ckpt=/dev/null: not a regular file nor a run dir\n"),
+        (f"ckpt={'a' * 5000}", f"config error: ckpt={'a' * 100}...: File name too long\n"),
+        ("data.batch_size=0", "config error: data.batch_size=0: must be at least 1"),
+    ],
+)
+def test_a_hostile_argument_is_one_line(tmp_path, compose_train, run_here, arg, message):
+    (tmp_path / "run").mkdir()
+    if arg.startswith("data."):
+        write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train)
+        arg = f"ckpt=run {arg}"
+    code, out, err = run_here(tmp_path, *arg.split())
+    assert (code, out) == (2, "") and err.startswith(message) and err.count("\n") == 1, err
 
 
 def test_held_out_data_is_never_trained_on(compose_train):

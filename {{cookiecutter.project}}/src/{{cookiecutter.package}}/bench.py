@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.package }} import allreduce, check, ddp, train
 from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
+from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
 from {{ cookiecutter.package }}.world import World
@@ -117,6 +118,8 @@ def template_ms(
 ) -> float:
     """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
     timed = replace(cfg.trainer, max_steps=warmup + steps, log_every=WINDOW, checkpoint_every=0)
+    # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
+    run_dir.mkdir(parents=True, exist_ok=True)
     Trainer(replace(cfg, trainer=timed), world, device, run_dir, control).train()
     if not world.main:
         return float("nan")
@@ -295,40 +298,60 @@ def launch(args: argparse.Namespace, nproc: int) -> dict:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
             raise BenchFailed(f"no result within {args.timeout_s:g} s") from None
-    output = done.stdout + done.stderr
     found = RESULT_LINE.search(done.stdout)
     if done.returncode != 0 or not found:
-        raised = [  # a worker's exception; torchrun's own ChildFailedError says little
-            line for line in re.findall(r"^(?:\[rank\d+\]: )?(?:\w+\.)*\w+(?:Error|Exception): .*$", output, re.MULTILINE)
-            if "ChildFailedError" not in line
-        ]  # fmt: skip
-        reason = raised[0] if raised else "\n".join(output.strip().splitlines()[-12:])
-        raise BenchFailed(f"exit {done.returncode}: {reason}")
+        raise BenchFailed(f"exit {done.returncode}: {root_cause(done.stdout + done.stderr)}")
     return json.loads(found.group(1))
 
 
+def unwritable(path: Path) -> str | None:
+    """Why the figures could not be written to `path`, found before an hour of benchmarking
+    rather than after it; None when they can."""
+    if path.is_dir():
+        return "it is a directory"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{folder}/ does not exist"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-"):
+            pass
+        if path.exists():
+            with path.open("a"):
+                pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = Parser(
+        prog=f"{PACKAGE}.bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--pairs", type=at_least(1), default=5, help="template/reference pairs")
+    parser.add_argument(
+        "--warmup", type=at_least(0), default=20, help="untimed steps (rounded up to 10s)"
     )
     parser.add_argument(
-        "--pairs", type=int, default=5, help="template/reference pairs (at least 1)"
+        "--steps", type=at_least(1), default=40, help="timed steps (rounded up to 10s)"
     )
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps (rounded up to 10s)")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps (rounded up to 10s)")
     parser.add_argument(
         "--json", type=Path, default=Path("bench.json"), help="where the figures go"
     )
-    parser.add_argument("--timeout-s", type=float, default=1800, help="for the whole launch")
+    parser.add_argument("--timeout-s", type=seconds, default=1800, help="for the whole launch")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # its scratch dir
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    args.pairs = max(1, args.pairs)
-    args.warmup = -(-max(0, args.warmup) // WINDOW) * WINDOW
-    args.steps = -(-max(1, args.steps) // WINDOW) * WINDOW
+    args.warmup = -(-args.warmup // WINDOW) * WINDOW
+    args.steps = -(-args.steps // WINDOW) * WINDOW
     if args.worker:
         worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
         return 0
+    problem = unwritable(args.json)
+    if problem:
+        parser.exit(
+            2, f"{parser.prog}: --json {args.json}: cannot write the figures there: {problem}\n"
+        )
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
     check.load_or_exit(args.overrides)
@@ -337,8 +360,15 @@ def main() -> int:
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return 1
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    except KeyboardInterrupt:
+        print("bench: stopped by Ctrl-C; nothing was measured to the end", file=sys.stderr)
+        return 130
     print(render(report))
+    try:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as err:  # writable when checked: the table above is what is left
+        print(f"bench: could not write {args.json}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"\nfigures: {args.json}")
     return 0
 

@@ -7,19 +7,25 @@
 It prints the GPU links and a P2P matrix (what the driver claims, what a real peer copy does),
 InfiniBand, /dev/shm, network interfaces and versions. Then it runs a short all-reduce under each
 profile, each in its own process group under a hard timeout, and recommends the fastest profile
-that works. Exit status: 0 when some profile works, 1 when none does.
+that works. With one GPU (or --nproc 1) there is nothing between GPUs to test: it checks the node's
+facts and one process's NCCL init under each profile instead. Exit status: 0 when some profile
+works, 1 when none does, 2 for a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from hydra import compose, initialize_config_module
@@ -33,6 +39,17 @@ PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniba
 GPU_SIZES_MIB = [1, 64, 1024]
 CPU_SIZES_MIB = [1, 64]
 ALLREDUCE_LINE = re.compile(r"^ALLREDUCE (\{.*\})$", re.MULTILINE)
+# In torchrun's output: its summary, the rank it blames, worker lines, and its own log lines.
+SUMMARY = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+BLAMED = re.compile(
+    r"^Root Cause \(first observed failure\):\n(?:.*\n)*?\s*rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)",
+    re.MULTILINE,
+)
+RANK_LINE = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
+EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
+NOT_SAID_BY_A_WORKER = re.compile(
+    r"^(?:[DIWEF]\d{4} \d\d:\d\d:\d\d|\*+$|Setting OMP_NUM_THREADS|Traceback \(most recent call last\)|\s|$)"
+)
 
 
 @dataclass
@@ -82,6 +99,49 @@ def profile_configs(names: list[str]) -> dict[str, TrainConfig]:
         }
 
 
+def exception_in(lines: list[str]) -> str:
+    """The first exception line, with NCCL's `Last error:` detail where it follows."""
+    for i, line in enumerate(lines):
+        if EXCEPTION.match(line.strip()) and SUMMARY not in line:
+            following = [later.strip() for later in lines[i + 1 : i + 6]]
+            if "Last error:" in following and following.index("Last error:") + 1 < len(following):
+                detail = following[following.index("Last error:") + 1]
+                return f"{line.strip()[:160]} ... Last error: {detail}"
+            return line.strip()
+    return ""
+
+
+def root_cause(output: str) -> str:
+    """Why a torchrun launch failed, in one line: the exception of the rank torchrun blames
+    first (its own summary's tail names none), else the last thing that rank printed, else the
+    signal that killed it."""
+    blamed = BLAMED.search(output)
+    rank, code = (int(blamed[1]), int(blamed[2])) if blamed else (None, None)
+    cut = output.find(SUMMARY)
+    labelled, unlabelled = [], []  # [rankN]: lines (after init_process_group), and the rest
+    for line in (output[:cut] if cut >= 0 else output).splitlines():
+        found = RANK_LINE.match(line)
+        if found and (rank is None or int(found[1]) == rank):
+            labelled.append(found[2])
+        elif not found:
+            unlabelled.append(line)
+    who = f"rank {rank}: " if rank is not None else ""
+    cause = exception_in(labelled) or exception_in(unlabelled)
+    if cause:
+        return (who + cause)[:400]
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} was killed by {name}"
+    said = [line.strip() for line in unlabelled if not NOT_SAID_BY_A_WORKER.match(line)]
+    if said:
+        return (f"rank {rank} exited with {code}: " if rank is not None else "") + said[-1][:300]
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
 def run_profile(
     name: str, env: dict[str, str], nproc: int, sizes: list[int], timeout_s: float
 ) -> ProfileResult:
@@ -96,8 +156,7 @@ def run_profile(
         return ProfileResult(name, env, "works", measured["init_s"], measured["busbw_gbps"])
     if outcome.status == "hang":
         return ProfileResult(name, env, "hangs", error=f"no result within {timeout_s:g} s")
-    last = [line for line in outcome.output.splitlines() if line.strip()][-3:]
-    return ProfileResult(name, env, "fails", error=" | ".join(last)[-400:])
+    return ProfileResult(name, env, "fails", error=root_cause(outcome.output))
 
 
 def recommend(results: list[ProfileResult], largest: str) -> ProfileResult | None:
@@ -105,9 +164,24 @@ def recommend(results: list[ProfileResult], largest: str) -> ProfileResult | Non
     return max(working, key=lambda r: r.busbw_gbps[largest], default=None)
 
 
+class Refused(Exception):
+    """A bad argument for this node; one line."""
+
+
 def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
     gpus = probe.gpu_count()
-    nproc = nproc or (gpus if gpus >= 2 else 2)
+    if nproc is None:
+        nproc = gpus or 2  # gloo on CPU: two processes share the cores
+    if not gpus and nproc < 2:
+        raise Refused(
+            f"--nproc {nproc}: without a GPU the doctor checks gloo between processes; use 2 or more"
+        )
+    if gpus and nproc > gpus:
+        raise Refused(
+            f"--nproc {nproc}: {gpus} GPU(s) visible here, and NCCL needs a GPU per process; "
+            f"use at most {gpus}"
+        )
+    between = nproc > 1  # one NCCL process: no link between GPUs is used
     # The decision as training on this one node would make it, with one process per GPU.
     os.environ.setdefault("WORLD_SIZE", str(nproc))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(nproc))
@@ -120,6 +194,7 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         "versions": versions(),
         "gpus": gpus,
         "nproc": nproc,
+        "between_gpus": between,
         "links_from": links.source,
         "p2p": [
             {
@@ -148,12 +223,20 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         if "auto" in decisions:
             report["auto_decision"] = decisions["auto"].report(only_nccl=True)
         sizes = GPU_SIZES_MIB
+        sizes = GPU_SIZES_MIB if between else []
+        if not between:
+            report["note"] = (
+                f"{'One GPU' if gpus == 1 else f'--nproc 1 of {gpus} GPUs'}: nothing between GPUs "
+                "to test (NCCL needs a GPU per process); checked the node's facts above and one "
+                "process's NCCL init under each profile"
+            )
         results = [
             run_profile(name, decisions[name].env, nproc, sizes, timeout_s) for name in names
         ]
     report["sizes"] = [f"{mib}MiB" for mib in sizes]
     report["profiles"] = [asdict(r) for r in results]
-    best = recommend(results, report["sizes"][-1])
+    report["ok"] = any(r.result == "works" for r in results)
+    best = recommend(results, report["sizes"][-1]) if sizes else None
     report["recommended"] = best.profile if best else None
     if best and gpus:
         report["pin"] = (
@@ -170,7 +253,7 @@ def render(report: dict) -> str:
     v = report["versions"]
     lines = [
         f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, driver {v['driver']}",
-        f"GPUs: {report['gpus']}, links from {report['links_from']}; testing with {report['nproc']} processes",
+        f"GPUs: {report['gpus']}, links from {report['links_from']}; testing with {report['nproc']} process{'es' if report['nproc'] > 1 else ''}",
     ]
     if report["p2p"]:
         lines += ["", "P2P matrix       link     claimed  peer copy"]
@@ -194,7 +277,7 @@ def render(report: dict) -> str:
         "",
         f"{'profile':<14}{'result':<8}{'init':>7}"
         + "".join(f"{s:>9}" for s in sizes)
-        + "   (bus GB/s)",
+        + ("   (bus GB/s)" if sizes else ""),
     ]
     for r in report["profiles"]:
         init = f"{r['init_s']:6.1f}s" if r["init_s"] is not None else "      -"
@@ -214,29 +297,71 @@ def render(report: dict) -> str:
             lines.append(f"  (nccl=auto, the default, reaches {share:.0%} of it at {largest})")
     elif report["recommended"]:
         lines += ["", "gloo works on CPU."]
+    elif not report["between_gpus"]:
+        works = [r["profile"] for r in report["profiles"] if r["result"] == "works"]
+        lines += ["", f"Nothing between GPUs to test here. One process's NCCL init works under "
+                      f"{', '.join(works)}; training on one GPU needs no profile choice."
+                  if works else "One process's NCCL init fails under every profile: read the "
+                  "errors above; NCCL_DEBUG=INFO shows more."]  # fmt: skip
     else:
         lines += ["", "No profile works. Read the errors above; NCCL_DEBUG=INFO shows more."]
     return "\n".join(lines)
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number, at least {low}; got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0; got {text!r}")
+    return value
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(
+        prog=f"{PACKAGE}.doctor", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the report"
     )
     parser.add_argument("--profiles", nargs="+", choices=PROFILES, default=PROFILES)
     parser.add_argument(
-        "--nproc", type=int, help="processes to test with (default: all GPUs, or 2 on CPU)"
+        "--nproc", type=at_least(1), help="processes to test with (default: all GPUs, or 2 on CPU)"
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=90, help="per profile; past it the profile 'hangs'"
+        "--timeout-s", type=seconds, default=90, help="per profile; past it the profile 'hangs'"
     )
     args = parser.parse_args()
-    report = diagnose(args.profiles, args.nproc, args.timeout_s)
+    try:
+        report = diagnose(args.profiles, args.nproc, args.timeout_s)
+    except Refused as err:
+        parser.exit(2, f"{parser.prog}: {err}\n")
     print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["recommended"] else 1
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

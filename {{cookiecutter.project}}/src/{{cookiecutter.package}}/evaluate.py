@@ -13,17 +13,29 @@ accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one printe
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import sys
+import warnings
+import zipfile
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }}.config import ConfigError, from_saved, uses_cuda
+from {{ cookiecutter.package }}.config import (
+    ConfigError,
+    TokensConfig,
+    TrainConfig,
+    from_saved,
+    require,
+    uses_cuda,
+)
 from {{ cookiecutter.package }}.data import build_dataset
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import AUTOCAST
@@ -31,30 +43,115 @@ from {{ cookiecutter.package }}.world import World
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.
 ADJUSTABLE = ("data.batch_size", "data.num_workers", "data.pin_memory", "dist.backend")
+NEEDED = ("step", "model", "config")  # what scoring reads from a checkpoint
+ZIP = b"PK\x03\x04"  # torch.save's format: a zip archive
+USAGE = "write ckpt=<file|run dir|latest> or key=value"
 
 
-def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> Path:
-    """A checkpoint file from `ckpt`: a file, a run dir (its newest), or latest (the newest run in
-    outputs/ that has one: run names sort by their start time)."""
-    if ckpt == "latest":
-        runs = (
-            sorted((p for p in outputs.iterdir() if p.is_dir()), reverse=True)
-            if outputs.is_dir()
-            else []
+def load(path: Path) -> dict[str, Any]:
+    """The checkpoint in `path`; a ConfigError that names the file and why it is none.
+    torch.load's own errors on a file that is not a checkpoint are cryptic (`KeyError: 101`
+    for a text file), so the cheap cases are told apart first."""
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"ckpt={path}: {why}")
+
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(ZIP))
+    except OSError as err:
+        raise refuse(f"cannot be read: {err.strerror or err}") from None
+    if not head:
+        raise refuse("the file is empty")
+    if head != ZIP and not head.startswith(b"\x80"):  # nor the legacy (pickle) format
+        raise refuse(
+            f"not a checkpoint: torch.save writes a zip archive; this file starts {head!r}"
         )
-        candidates = [p for p in runs if checkpoint.checkpoint_paths(p)]
-        if not candidates:
-            raise ConfigError(f"ckpt=latest: no run under {outputs}/ has a checkpoint")
-        ckpt = str(candidates[0])
+    if head == ZIP and not zipfile.is_zipfile(path):
+        raise refuse(
+            "truncated or corrupt: its zip archive has no end (a copy or write cut short?)"
+        )
+    try:
+        with warnings.catch_warnings():  # torch warns of pickle protocols before refusing them
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise refuse("holds Python objects beyond tensors and plain data, which no checkpoint of "
+                     "this project does; not loaded (torch.load weights_only)") from None  # fmt: skip
+    except Exception as err:  # a damaged archive: torch says what it could not read
+        raise refuse(f"cannot be loaded: {' '.join(str(err).split())[:200]}") from None
+    if not isinstance(state, dict):
+        raise refuse(f"not a training checkpoint: it holds a {type(state).__name__}, not a dict")
+    missing = [key for key in NEEDED if key not in state]
+    if missing:
+        keys = ", ".join(sorted(map(str, state))[:8]) or "none"
+        raise refuse(
+            f"not a training checkpoint: it has no {', '.join(missing)} (its keys: {keys})"
+        )
+    return state
+
+
+def newest_usable(runs: list[Path]) -> tuple[Path | None, dict[str, Any], list[str]]:
+    """The newest checkpoint across `runs` (newest run first) that loads, its state, and what
+    was passed over on the way, each with why."""
+    passed = []
+    for run in runs:
+        paths = checkpoint.checkpoint_paths(run)
+        if not paths:
+            passed.append(f"{run} (no checkpoint)")
+        for path in reversed(paths):
+            try:
+                return path, load(path), passed
+            except ConfigError as err:
+                passed.append(str(err).removeprefix("ckpt="))
+    return None, {}, passed
+
+
+def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, dict[str, Any], str]:
+    """A checkpoint from `ckpt`, its state, and a note when newer ones were passed over: a file;
+    a run dir (its newest that loads); or latest (the newest that loads across the runs in
+    outputs/, newest run first: run names sort by their start time)."""
+    if not ckpt:
+        raise ConfigError(f"ckpt= is empty; {USAGE}")
     path = Path(ckpt)
-    if path.is_dir():
-        found = checkpoint.newest_readable(path)
-        if found is None:
-            raise ConfigError(f"ckpt={ckpt}: no readable checkpoint in {path / 'checkpoints'}")
-        return found[0]
-    if not path.is_file():
-        raise ConfigError(f"ckpt={ckpt}: no such file or run dir")
-    return path
+    try:
+        kind = "dir" if path.is_dir() else "file" if path.is_file() else path.exists() and "other"
+    except OSError as err:  # a name too long, say: nothing to find there
+        shown = ckpt if len(ckpt) <= 120 else f"{ckpt[:100]}..."
+        raise ConfigError(f"ckpt={shown}: {err.strerror or err}") from None
+    if ckpt == "latest":
+        try:
+            runs = (
+                sorted((p for p in outputs.iterdir() if p.is_dir()), reverse=True)
+                if outputs.is_dir()
+                else []
+            )
+        except OSError as err:
+            raise ConfigError(
+                f"ckpt=latest: cannot list {outputs}/: {err.strerror or err}"
+            ) from None
+        none, where = f"no run under {outputs}/ has a checkpoint", f"under {outputs}/"
+    elif kind == "dir":
+        if path.name == "checkpoints" and not (path / "checkpoints").is_dir():
+            path = path.parent  # the run's checkpoints/ folder named instead of the run
+        runs, where = [path], f"in {path / 'checkpoints'}"
+        none = f"no checkpoint {where}"
+    elif kind == "file":
+        return path, load(path), ""
+    else:
+        what = "not a regular file nor a run dir" if kind else "no such file or run dir"
+        raise ConfigError(f"ckpt={ckpt}: {what}")
+    found, state, passed = newest_usable(runs)
+    damaged = [p for p in passed if not p.endswith("(no checkpoint)")]
+    if found is None and not damaged:
+        raise ConfigError(f"ckpt={ckpt}: {none}")
+    if found is None:
+        raise ConfigError(f"ckpt={ckpt}: no checkpoint {where} loads; the newest: {damaged[0]}")
+    note = ""
+    if passed:
+        more = f" and {len(passed) - 2} more" if len(passed) > 2 else ""
+        note = f"ckpt={ckpt}: scoring {found}, the newest that loads; passed over {'; '.join(passed[:2])}{more}"
+    return found, state, note
 
 
 def parse(args: list[str]) -> tuple[str, list[str]]:
@@ -62,7 +159,7 @@ def parse(args: list[str]) -> tuple[str, list[str]]:
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep:
-            raise ConfigError(f"{arg}: write ckpt=<file|run dir|latest> or key=value")
+            raise ConfigError(f"{arg}: {USAGE}")
         if key == "ckpt":
             ckpt = value
         elif key in ADJUSTABLE:
@@ -74,9 +171,35 @@ def parse(args: list[str]) -> tuple[str, list[str]]:
     return ckpt, overrides
 
 
-def evaluate(path: Path, overrides: list[str], world: World) -> dict:
-    state = checkpoint.read(path)
+def held_out(cfg: TrainConfig, world: World, batch_given: bool) -> Dataset:
+    """The held-out set; every process must have a sample of it to score, and a batch size given
+    must fit a process's share (the checkpoint's own is simply capped by it)."""
+    data = build_dataset(cfg.data, cfg.trainer.seed, held_out=True)
+    count, per_process = len(data), len(data) // world.size
+    source = (f"data.path={cfg.data.path}" if isinstance(cfg.data, TokensConfig) and cfg.data.path is not None
+              else f"data.num_samples={cfg.data.num_samples}")  # fmt: skip
+    if per_process == 0:
+        raise ConfigError(
+            f"{source}: the checkpoint's data holds {count} held-out sample(s), fewer than the "
+            f"{world.size} process(es) scoring it"
+            + (f"; evaluate on at most {count} process(es)" if count else ": nothing to score")
+        )
+    if batch_given:
+        require(per_process >= cfg.data.batch_size, "data.batch_size", cfg.data.batch_size,
+                f"each of {world.size} process(es) scores {per_process} of the {count} held-out "
+                f"samples of {source}; use a batch size of at most {per_process}")  # fmt: skip
+    return data
+
+
+def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: World) -> dict:
+    if not isinstance(state["config"], dict):
+        raise ConfigError(
+            f"ckpt={path}: its config is a {type(state['config']).__name__}, not a dict"
+        )
     cfg = from_saved(state["config"], overrides)
+    data = held_out(
+        cfg, world, batch_given=any(o.startswith("data.batch_size=") for o in overrides)
+    )
     cuda = uses_cuda(cfg.dist.backend)
     device = torch.device("cuda", world.local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -87,9 +210,14 @@ def evaluate(path: Path, overrides: list[str], world: World) -> dict:
     try:
         with device:
             model = build_model(cfg.model, cfg.data)
-        model.load_state_dict(state["model"])
+        try:
+            model.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, AttributeError) as err:
+            reason = " ".join(str(err).split())[:200]
+            raise ConfigError(
+                f"ckpt={path}: its weights do not fit its own config's model: {reason}"
+            ) from None
         model.eval()
-        data = build_dataset(cfg.data, cfg.trainer.seed, held_out=True)
         shard = DistributedSampler(
             data, num_replicas=world.size, rank=world.rank, shuffle=False, drop_last=True
         )
@@ -122,22 +250,54 @@ def evaluate(path: Path, overrides: list[str], world: World) -> dict:
     }
 
 
+def result_path(path: Path) -> Path:
+    """`<run dir>/eval/step_<N>.json` for a run's checkpoint; `eval/` beside any other file."""
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return run / "eval" / f"{path.stem}.json"
+
+
+def save(result: dict, out: Path) -> None:
+    """Whole or not at all: a reader never finds half a JSON file, and two evaluations of one
+    checkpoint at once each write their own before the rename."""
+    out.parent.mkdir(exist_ok=True)
+    partial = out.with_name(f".partial-{os.getpid()}-{out.name}")
+    try:
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def main() -> int:
     world = World.from_env()
     try:
         ckpt, overrides = parse(sys.argv[1:])
-        path = find_checkpoint(ckpt)
-        result = evaluate(path, overrides, world)
+        path, state, note = find_checkpoint(ckpt)
+        if note and world.local_rank == 0:
+            print(note, file=sys.stderr)
+        result = evaluate(path, state, overrides, world)
     except (ConfigError, checkpoint.Incompatible) as err:
         if world.local_rank == 0:
             print(f"config error: {err}", file=sys.stderr)
         return 2
-    if world.main:
-        out = path.parent.parent / "eval" / f"{path.stem}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
-              f"{result['held_out_predictions']} held-out predictions -> {out}")  # fmt: skip
+    except KeyboardInterrupt:
+        if world.local_rank == 0:
+            print("evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
+                  file=sys.stderr)  # fmt: skip
+        return 130
+    if not world.main:
+        return 0
+    score = (f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
+             f"{result['held_out_predictions']} held-out predictions")  # fmt: skip
+    out = result_path(path)
+    try:
+        save(result, out)
+    except OSError as err:  # the score was paid for: print it whatever the disk says
+        print(score, flush=True)
+        print(f"evaluate: could not save {out}: {err.strerror or err}; the score above is all there is",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{score} -> {out}")
     return 0
 
 
