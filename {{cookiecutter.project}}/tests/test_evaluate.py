@@ -155,8 +155,8 @@ def test_an_empty_held_out_set_is_one_line(tmp_path, compose_train, run_here):
     code, out, err = run_here(tmp_path, "ckpt=run")
     assert (code, out) == (2, "")
     assert err == (
-        "config error: data.num_samples=9: the checkpoint's data holds 0 held-out sample(s), "
-        "fewer than the 1 process(es) scoring it: nothing to score\n"
+        "config error: data.num_samples=9: 0 held-out sample(s) (one in 10) for 1 process(es), "
+        "which need one each; evaluate with more data\n"
     )
 
 

@@ -196,7 +196,7 @@ def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: Wor
         raise ConfigError(
             f"ckpt={path}: its config is a {type(state['config']).__name__}, not a dict"
         )
-    cfg = from_saved(state["config"], overrides)
+    cfg = from_saved(state["config"], overrides, held_out=True)
     data = held_out(
         cfg, world, batch_given=any(o.startswith("data.batch_size=") for o in overrides)
     )
