@@ -1,6 +1,7 @@
 """The logger group: several at once, and every problem a logger has found by check, in one line,
 before anything starts. In-process: no launch here (test_metrics launches each logger)."""
 
+import os
 import socket
 import sys
 import time
@@ -8,7 +9,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, check, loggers
+from {{ cookiecutter.package }} import PROJECT, check, failfast, loggers, metrics
 from {{ cookiecutter.package }}.check import config_problem
 from {{ cookiecutter.package }}.config import (
     CsvLoggerConfig,
@@ -134,8 +135,23 @@ def test_a_server_gone_when_the_logger_starts_fails_fast_naming_it(tmp_path, mon
     with pytest.raises(loggers.LoggerError) as failed:
         loggers.build(cfg, tmp_path, 0, {"dist": {"timeout_s": 16}})
     assert time.monotonic() - started < 16
-    assert str(failed.value).startswith(f"logger.mlflow: could not start ({uri}): ")
+    assert str(failed.value) == (
+        f"logger.mlflow: could not start ({uri}): MlflowException: API request to {uri}/api/2.0/"
+        "mlflow/experiments/get-by-name failed: NewConnectionError (1 attempt(s), 2 s each)"
+    )  # dist.timeout_s=16: no retry, 2 s for the one attempt
     assert "\n" not in str(failed.value)
+
+
+def test_a_logger_that_cannot_start_ends_rank_0_at_once_as_the_cause(tmp_path, monkeypatch, capsys):
+    """The other ranks wait in an all-reduce for rank 0: it must end first, exit 2, one line, and
+    claim the failure report, or theirs blame a lost peer (and the launcher names them)."""
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))  # not pytest's own process
+    cfg = LoggersConfig(mlflow=MlflowLoggerConfig(f"http://127.0.0.1:{closed_port()}", None))
+    with pytest.raises(SystemExit) as ended:
+        metrics.RunRecord(tmp_path, 60, 0, True, cfg, {"dist": {"timeout_s": 8}})
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.startswith("config error: logger.mlflow: could not start (")
+    assert failfast.claim_report(tmp_path) is False  # already claimed: the others say "too"
 
 
 class Recorder:

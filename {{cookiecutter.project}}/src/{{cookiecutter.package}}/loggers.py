@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,9 +164,9 @@ def bound_mlflow_requests(timeout_s: int) -> None:
     """MLflow retries an unanswered request 7 times, 120 s each: minutes in which the other ranks
     wait in a collective and then blame each other. Bound its retries well inside dist.timeout_s
     (a value set in the environment wins)."""
-    per_request = max(1, timeout_s // 8)
+    per_request = max(1, timeout_s // 8)  # 3 tries and their back-off take under half of it
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(per_request))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2" if timeout_s >= 30 else "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 
 
@@ -206,9 +207,15 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def cause(err: BaseException) -> str:
-    """An error's last line, which names the cause (MLflow's hides it below several)."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    """An error in one line. MLflow's unanswered request: the request and what ended it, without
+    urllib3's retry state."""
+    text = " ".join(str(err).split())
+    ended = re.search(r"\(Caused by (\w+)", text)
+    if " with exception " in text and ended:
+        tries = int(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")) + 1
+        each = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "?")
+        text = f"{text.split(' with exception ')[0]}: {ended.group(1)} ({tries} attempt(s), {each} s each)"
+    return f"{type(err).__name__}: {text}"
 
 
 class Loggers:

@@ -13,11 +13,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, loggers
+from {{ cookiecutter.package }} import PROJECT, check, loggers
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,10 @@ class RunRecord:
             return
         # Hydra makes the run dir, but a caller without Hydra (bench) may hand over a new one.
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.logger = loggers.build(logger, run_dir, start_step, config)
+        try:
+            self.logger = loggers.build(logger, run_dir, start_step, config)
+        except loggers.LoggerError as err:
+            exit_before_the_others(err, run_dir)
         # A resumed run starts again after its checkpoint: forget what was logged past it. Each
         # file is replaced whole, so that a kill during the rewrite leaves the old one.
         kept = [row for row in read_raw_rows(run_dir) if float(row["step"]) <= start_step]
@@ -101,6 +104,19 @@ class RunRecord:
             self.progress.stop()
         self.logger.close()
         self.csv_file.close()
+
+
+def exit_before_the_others(err: loggers.LoggerError, run_dir: Path) -> NoReturn:
+    """Only rank 0 starts the loggers; the other ranks wait for it in the first step's all-reduce
+    and fail once it ends. So it ends at once, exit 2 after one line naming the logger, and
+    claims the failure report: theirs then say "failed too", and the launcher names this one."""
+    from {{ cookiecutter.package }} import failfast  # torch: not for the plot command
+
+    failfast.claim_report(run_dir)
+    print(f"config error: {err}", file=sys.stderr, flush=True)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(check.EXIT_CONFIG_ERROR)  # no unwinding: a later exit reads as a consequence
 
 
 class ProgressBar:
