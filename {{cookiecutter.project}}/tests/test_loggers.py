@@ -195,3 +195,41 @@ def test_a_logger_that_fails_mid_run_is_dropped_with_a_warning_and_the_others_go
 def test_csv_alone_starts_no_logger(tmp_path):
     started = loggers.build(LoggersConfig(csv=CsvLoggerConfig()), tmp_path, 0, {})
     assert started.named == {} and list(tmp_path.iterdir()) == []
+
+
+def test_each_run_dir_keeps_one_wandb_run_id(tmp_path):
+    """A relaunch into the same run dir continues the same W&B run (resume="allow")."""
+    first, other = tmp_path / "2026-12-01_05-00-00_abc123", tmp_path / "my run/x"
+    assert loggers.wandb_id(first) == loggers.wandb_id(first) == "2026-12-01-05-00-00-abc123"
+    assert loggers.wandb_id(other) == "x" != loggers.wandb_id(first)
+    assert loggers.wandb_id(tmp_path / ("r" * 100)) == "r" * 64  # W&B's limit
+
+
+def test_a_resume_continues_the_same_mlflow_run(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = LoggersConfig(mlflow=MlflowLoggerConfig(None, None))
+    config = {"trainer": {"max_steps": 60}, "dist": {"timeout_s": 180}}
+    for step in (20, 40):  # the second launch resumes from the checkpoint of step 20
+        started = loggers.build(cfg, tmp_path, step - 20, config)
+        started.log(ROW | {"step": step, "loss": step / 10})
+        started.close()
+    client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").as_uri())
+    run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    history = client.get_metric_history(run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(20, 2.0), (40, 4.0)]
+    params = client.get_run(run_id).data.params
+    assert params == {"trainer.max_steps": "60", "dist.timeout_s": "180"}
+    assert len(client.search_runs([client.get_experiment_by_name(PROJECT).experiment_id])) == 1
+
+
+def test_train_checks_the_loggers_in_every_process_before_the_run_dir_exists(
+    compose_train, monkeypatch, capsys
+):
+    """python -m <package>.train under torchrun skips the launcher: its ConfigCheck refuses."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit) as ended:
+        check.ConfigCheck().on_run_start(compose_train("logger=[tensorboard,wandb]"))
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.startswith("config error: logger.wandb: needs the wandb package")

@@ -325,3 +325,32 @@ def test_a_resume_keeps_the_rows_up_to_its_checkpoint_in_both_files(tmp_path):
     assert (tmp_path / "metrics.csv").read_text().splitlines() == [HEADER, csv_row(20), csv_row(40)]
     assert (tmp_path / "metrics.jsonl").read_text() == json_row(20) + "\n" + json_row(40) + "\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.csv", "metrics.jsonl"]
+
+
+def test_a_resume_rewrites_a_read_only_metrics_file(tmp_path):
+    """The files are replaced whole (a kill mid-rewrite keeps the old one): a read-only copy
+    left by another user or a restore is replaced too, in a run dir this user may write."""
+    (tmp_path / "metrics.csv").write_text("\n".join([HEADER, csv_row(20), csv_row(40)]) + "\n")
+    (tmp_path / "metrics.csv").chmod(0o444)
+    with record(tmp_path, start_step=20) as run:
+        run.write(json.loads(json_row(40)))
+    assert [row["step"] for row in metrics.read_rows(tmp_path)] == [20, 40]
+
+
+def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))
+    )
+    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2" for s in (1, 20, 40)]
+    (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
+    assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
+    (figure,) = drawn
+    loss, speed = figure.axes
+    assert loss.lines[0].get_xydata().tolist() == [[1, 10], [20, 0.5], [40, 0.25]]
+    assert speed.lines[0].get_xydata().tolist() == [[1, 100], [20, 2000], [40, 4000]]
+    assert loss.get_yscale() == "log"  # the loss fell 40x
+    assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")
