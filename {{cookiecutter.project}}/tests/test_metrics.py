@@ -354,3 +354,20 @@ def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, m
     assert speed.lines[0].get_xydata().tolist() == [[1, 100], [20, 2000], [40, 4000]]
     assert loss.get_yscale() == "log"  # the loss fell 40x
     assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_kill_during_the_resume_rewrite_keeps_the_old_rows(tmp_path, monkeypatch):
+    """The rewrite goes to a new file renamed over the old: a kill halfway loses nothing."""
+    before = "\n".join([HEADER, csv_row(20), csv_row(40)]) + "\n"
+    (tmp_path / "metrics.csv").write_text(before)
+
+    def killed_halfway(self, text, *args, **kwargs):
+        with self.open("w") as out:
+            out.write(text[: len(text) // 2])
+        raise KeyboardInterrupt  # as a signal would, between two writes
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        record(tmp_path, start_step=20)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_text() == before
