@@ -124,6 +124,19 @@ def test_check_names_an_unreachable_tracking_server_at_once():
     assert time.monotonic() - started < loggers.PROBE_S
 
 
+@pytest.mark.parametrize("where", ["/proc/mlruns", "{file}/mlruns"])
+def test_check_refuses_a_file_store_it_cannot_write(tmp_path, where):
+    """/proc refuses even root; a path below a file is no folder."""
+    (tmp_path / "file").write_text("")
+    uri = "file:" + where.format(file=tmp_path / "file")
+    problem = config_problem(["logger=mlflow", f"logger.mlflow.tracking_uri={uri}"])
+    assert problem is not None
+    assert problem.startswith(f"logger.mlflow.tracking_uri={uri}: cannot write in ")
+    fine = f"logger.mlflow.tracking_uri=file:{tmp_path}/a/b"  # made when the logger starts
+    assert config_problem(["logger=mlflow", fine]) is None
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "file"]  # the check left nothing
+
+
 def test_a_server_gone_when_the_logger_starts_fails_fast_naming_it(tmp_path, monkeypatch):
     """check passed, then the server went: the logger's start fails in one line naming it, well
     inside dist.timeout_s (MLflow alone retries for minutes while the other ranks wait)."""

@@ -14,11 +14,13 @@ allows it.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -107,12 +109,35 @@ def unreachable(uri: str, timeout_s: float = PROBE_S) -> str | None:
     return None
 
 
+def unwritable(uri: str) -> str | None:
+    """Why MLflow could not write a file: tracking URI's folder here, or None. Tried with a
+    temporary file in the folder or its nearest existing parent: nothing is left behind."""
+    parts = urlsplit(uri)
+    if parts.scheme != "file":
+        return None
+    folder = Path(parts.path)
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        return (
+            f"logger.mlflow.tracking_uri={uri}: cannot write in {folder} ({err.strerror}); choose "
+            "a folder this user can write, or null for a file store in the run dir"
+        )
+    return None
+
+
 def check(cfg: LoggersConfig, timeout_s: float = PROBE_S) -> None:
     """What only this machine can tell about the chosen loggers: their packages, and whether
-    MLflow's tracking server answers. ConfigError (one line) on the first problem."""
+    MLflow's tracking server answers or its folder can be written. ConfigError (one line) on the
+    first problem."""
     problem = missing_packages(cfg)
     if problem is None and cfg.mlflow is not None and cfg.mlflow.tracking_uri is not None:
-        problem = unreachable(cfg.mlflow.tracking_uri, timeout_s)
+        uri = cfg.mlflow.tracking_uri
+        problem = unreachable(uri, timeout_s) or unwritable(uri)
     if problem:
         raise ConfigError(problem)
 
