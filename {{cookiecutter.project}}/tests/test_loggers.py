@@ -30,8 +30,7 @@ def chosen(compose_train, *overrides: str) -> list[str]:
         ("logger=[csv,mlflow]", ["csv", "mlflow"]),
         ("logger=[wandb,mlflow]", ["wandb", "mlflow"]),
         ("logger=[tensorboard,csv,wandb,mlflow]", ["tensorboard", "csv", "wandb", "mlflow"]),
-        ("logger=csv", ["csv"]),  # one alone, as before
-        ("logger=[]", []),  # none: metrics.csv alone
+        ("logger=csv", ["csv"]),  # one alone, as before: metrics.csv and nothing else
     ],
 )
 def test_any_loggers_combine(compose_train, override, names):

@@ -462,7 +462,7 @@ class DeployConfig:
 class TrainConfig:
     model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
     data: Any = MISSING  # PointsConfig or TokensConfig, likewise
-    logger: LoggersConfig = field(default_factory=LoggersConfig)  # logger=[]: metrics.csv alone
+    logger: LoggersConfig = MISSING  # each option of the logger group sets one of its keys
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
     nccl: NcclConfig = MISSING
