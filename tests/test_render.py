@@ -100,6 +100,7 @@ EXPECTED_FILES = {
     "tests/test_multinode.py",
     "tests/test_gpu.py",
     "tests/test_k8s.py",
+    "tests/test_loggers.py",
     "tests/test_metrics.py",
     "tests/test_nccl.py",
     "tests/test_probe.py",

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from {{ cookiecutter.package }} import loggers, metrics
+from {{ cookiecutter.package }}.config import CsvLoggerConfig, LoggersConfig
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default
@@ -219,13 +220,15 @@ wandb_run.Run.log = _recording_log
 """
 
 
-def test_logger_wandb_offline_gets_every_row(tmp_path):
+def test_two_loggers_at_once_each_get_every_row(tmp_path):
+    """logger=[tensorboard,wandb], as lightning-hydra-template users log: W&B offline."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(RECORD_WANDB)
     env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WANDB_RECORD": str(tmp_path / "calls.jsonl"),
            "WANDB_SILENT": "true"}  # fmt: skip
-    done = torchrun(tmp_path, *RUN, "logger=wandb", f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    done = torchrun(tmp_path, *RUN, "logger=[tensorboard,wandb]", run_dir, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     rows = read_metrics(tmp_path / "run")
@@ -233,6 +236,11 @@ def test_logger_wandb_offline_gets_every_row(tmp_path):
     assert [call["data"]["train/loss"] for call in calls] == [row["loss"] for row in rows]
     (offline,) = (tmp_path / "run" / "wandb").glob("offline-run-*")  # written for `wandb sync`
     assert (offline / "run-run.wandb").stat().st_size > 0
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (row["step"], pytest.approx(row["loss"])) for row in rows
+    ]
 
 
 def test_logger_mlflow_file_store_holds_every_row(tmp_path, monkeypatch):
@@ -248,3 +256,119 @@ def test_logger_mlflow_file_store_holds_every_row(tmp_path, monkeypatch):
     rows = read_metrics(tmp_path / "run")
     assert [(m.step, m.value) for m in history] == [(row["step"], row["loss"]) for row in rows]
     assert client.get_run(run_id).data.params["trainer.max_steps"] == "60"
+
+
+# In-process: a RunRecord on files as a killed run leaves them (no launch).
+HEADER = ",".join(metrics.COLUMNS)
+
+
+def csv_row(step: int) -> str:
+    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2"
+
+
+def json_row(step: int) -> str:
+    return json.dumps(dict(zip(metrics.COLUMNS, [step, 60, 0, 2.0 - step / 100, 0.5, None, 0.003,
+                                                   900.0, 3.5, None, 2], strict=True)))  # fmt: skip
+
+
+def record(run_dir: Path, start_step: int) -> metrics.RunRecord:
+    logger = LoggersConfig(csv=CsvLoggerConfig())
+    return metrics.RunRecord(run_dir, 60, start_step, True, logger, {})
+
+
+@pytest.mark.parametrize("cut", ["last", "middle"])
+def test_a_resume_drops_a_row_cut_short_and_goes_on(tmp_path, caplog, cut):
+    """A kill mid-write leaves half a row at the end: every relaunch used to die of
+    JSONDecodeError (Kubernetes retries exit 1 until its backoff limit)."""
+    csv_lines = [HEADER, csv_row(20), csv_row(40), csv_row(60)[:9]]
+    json_lines = [json_row(20), json_row(40), json_row(60)[:25]]
+    if cut == "middle":  # not expected, but no crash either
+        csv_lines[1], json_lines[0] = csv_lines[1][:12], json_lines[0][:30]
+        csv_lines[3], json_lines[2] = csv_row(60), json_row(60)
+    (tmp_path / "metrics.csv").write_text("\n".join(csv_lines))  # no newline at the end: cut
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json_lines))
+    with record(tmp_path, start_step=60) as run:
+        run.write(json.loads(json_row(80)) | {"max_steps": 80})
+    kept = [40, 60] if cut == "middle" else [20, 40]
+    assert [row["step"] for row in metrics.read_rows(tmp_path)] == [*kept, 80]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [*kept, 80]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all(message.endswith("; left out") for message in warned)
+    assert warned[0].startswith(str(tmp_path / "metrics.csv"))
+    assert warned[1].startswith(str(tmp_path / "metrics.jsonl"))
+    if cut == "last":
+        assert "its last line (4) is cut short" in warned[0]
+        assert "its last line (3) is cut short" in warned[1]
+    else:
+        assert "line(s) 2 of 4 cannot be read" in warned[0]
+        assert "line(s) 1 of 3 cannot be read" in warned[1]
+
+
+def test_the_plot_skips_a_row_cut_short(tmp_path):
+    (tmp_path / "metrics.csv").write_text("\n".join([HEADER, csv_row(20), csv_row(40), "60,6"]))
+    assert [row["step"] for row in metrics.read_rows(tmp_path)] == [20, 40]
+    assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
+
+
+def test_a_record_creates_a_run_dir_that_is_not_there(tmp_path):
+    """bench hands each timed loop a new run dir: with logger=csv nothing else created it."""
+    run_dir = tmp_path / "template-1-0"
+    with record(run_dir, start_step=0) as run:
+        run.write(json.loads(json_row(20)))
+    # read back as written; the columns not measured (empty in the CSV) as None, not 0
+    assert metrics.read_rows(run_dir) == read_metrics(run_dir) == [json.loads(json_row(20))]
+
+
+def test_a_resume_keeps_the_rows_up_to_its_checkpoint_in_both_files(tmp_path):
+    (tmp_path / "metrics.csv").write_text("\n".join([HEADER, *map(csv_row, (20, 40, 60))]) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json_row(s) + "\n" for s in (20, 40, 60)))
+    record(tmp_path, start_step=40).close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [HEADER, csv_row(20), csv_row(40)]
+    assert (tmp_path / "metrics.jsonl").read_text() == json_row(20) + "\n" + json_row(40) + "\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.csv", "metrics.jsonl"]
+
+
+def test_a_resume_rewrites_a_read_only_metrics_file(tmp_path):
+    """The files are replaced whole (a kill mid-rewrite keeps the old one): a read-only copy
+    left by another user or a restore is replaced too, in a run dir this user may write."""
+    (tmp_path / "metrics.csv").write_text("\n".join([HEADER, csv_row(20), csv_row(40)]) + "\n")
+    (tmp_path / "metrics.csv").chmod(0o444)
+    with record(tmp_path, start_step=20) as run:
+        run.write(json.loads(json_row(40)))
+    assert [row["step"] for row in metrics.read_rows(tmp_path)] == [20, 40]
+
+
+def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))
+    )
+    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2" for s in (1, 20, 40)]
+    (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
+    assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
+    (figure,) = drawn
+    loss, speed = figure.axes
+    assert loss.lines[0].get_xydata().tolist() == [[1, 10], [20, 0.5], [40, 0.25]]
+    assert speed.lines[0].get_xydata().tolist() == [[1, 100], [20, 2000], [40, 4000]]
+    assert loss.get_yscale() == "log"  # the loss fell 40x
+    assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_kill_during_the_resume_rewrite_keeps_the_old_rows(tmp_path, monkeypatch):
+    """The rewrite goes to a new file renamed over the old: a kill halfway loses nothing."""
+    before = "\n".join([HEADER, csv_row(20), csv_row(40)]) + "\n"
+    (tmp_path / "metrics.csv").write_text(before)
+
+    def killed_halfway(self, text, *args, **kwargs):
+        with self.open("w") as out:
+            out.write(text[: len(text) // 2])
+        raise KeyboardInterrupt  # as a signal would, between two writes
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        record(tmp_path, start_step=20)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_text() == before

@@ -20,13 +20,16 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir, initialize_config_module
-from hydra.errors import HydraException, OverrideParseException
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from {{ cookiecutter.package }} import loggers
 from {{ cookiecutter.package }}.config import (
     ConfigError,
+    LoggersConfig,
     TrainConfig,
     configs_folder,
     exit_with_error,
@@ -85,16 +88,57 @@ def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False
         raise ConfigError(problem)
     register_configs()
     with configs_at(folder):
-        return compose(
-            config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=hydra
-        )
+        try:
+            return compose(
+                config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=hydra
+            )
+        except MissingConfigException as err:
+            raise ConfigError(unknown_option(err)) from None
+        except AssertionError:  # OmegaConf's, for a key set below a null node
+            problem = unchosen_logger(overrides)
+            if problem is None:
+                raise
+            raise ConfigError(problem) from None
 
 
 def load_config(
     overrides: list[str], folder: Path | None = None, this_node: bool = True
 ) -> TrainConfig:
     """The config that train composes with `overrides`, checked; raises on a bad one."""
-    return to_train_config(compose_train(overrides, folder), this_node=this_node)
+    config = to_train_config(compose_train(overrides, folder), this_node=this_node)
+    if this_node:
+        check_loggers(config)
+    return config
+
+
+def unknown_option(err: MissingConfigException) -> str:
+    """An option missing from a list (logger=[tensorboard,nope]): Hydra names it but, unlike
+    for a single one, not the options there are. Call inside configs_at."""
+    found = re.search(r"Could not load '([^'/]+)/([^']+)'", str(err))
+    if not found:
+        return one_line(err)
+    group, name = found.groups()
+    options = GlobalHydra.instance().config_loader().get_group_options(group)
+    return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+
+
+def unchosen_logger(overrides: list[str]) -> str | None:
+    """logger.wandb.mode=online without wandb among the chosen loggers sets a key below null."""
+    names = [f.name for f in dataclasses.fields(LoggersConfig)]
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        parts = key.split(".")
+        if len(parts) > 2 and parts[0] == "logger" and parts[1] in names:
+            return (
+                f"{override}: {parts[1]} is not among the chosen loggers; choose it as well, "
+                f"e.g. logger=[tensorboard,{parts[1]}]"
+            )
+    return None
+
+
+def check_loggers(config: TrainConfig) -> None:
+    """The chosen loggers' packages, and MLflow's server, as this machine finds them."""
+    loggers.check(config.logger, timeout_s=min(loggers.PROBE_S, config.dist.timeout_s))
 
 
 def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
@@ -124,7 +168,7 @@ class ConfigCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
         try:
-            typed(config)
+            check_loggers(typed(config))
         except CONFIG_ERRORS as err:
             exit_with_error(f"config error: {describe(err)}")
 

@@ -21,6 +21,7 @@ from enum import Enum
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional
+from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -258,6 +259,27 @@ class WandbConfig:
     mode: WandbMode = MISSING
     tags: List[str] = MISSING
 
+    def __post_init__(self) -> None:
+        # W&B's own limits (wandb_settings), which it reports only once the run starts.
+        project = self.project
+        require(
+            project is None or (len(project.strip()) > 0 and len(project) <= 128 and not set(project) & set("/\\#?%:")),
+            "logger.wandb.project", repr(project),
+            "must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
+        )  # fmt: skip
+        require(
+            self.entity is None or self.entity.strip() != "", "logger.wandb.entity", repr(self.entity),
+            "must be null (your default entity) or a name that is not blank",
+        )  # fmt: skip
+        require(
+            all(0 < len(tag) <= 64 for tag in self.tags), "logger.wandb.tags", self.tags,
+            "each tag must be 1 to 64 characters",
+        )  # fmt: skip
+
+
+# The tracking URIs MLflow-skinny can use without a database driver: a server, or a folder.
+MLFLOW_SCHEMES = ("http", "https", "file")
+
 
 @dataclass
 class MlflowLoggerConfig:
@@ -265,6 +287,53 @@ class MlflowLoggerConfig:
 
     tracking_uri: Optional[str] = MISSING
     experiment: Optional[str] = MISSING
+
+    def __post_init__(self) -> None:
+        if self.tracking_uri is not None:
+            problem = mlflow_uri_problem(self.tracking_uri)
+            if problem:
+                raise ConfigError(f"logger.mlflow.tracking_uri={self.tracking_uri}: {problem}")
+        require(
+            self.experiment is None or self.experiment.strip() != "",
+            "logger.mlflow.experiment", repr(self.experiment),
+            "must be null (this project's name) or a name that is not blank",
+        )  # fmt: skip
+
+
+def mlflow_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not use this tracking URI, or None."""
+    parts = urlsplit(uri)
+    if uri == "databricks" or parts.scheme == "databricks":  # a Databricks CLI profile
+        return None
+    allowed = (
+        "use http(s)://host:port for a server, file:/absolute/path for a folder, "
+        "or null for a file store in the run dir"
+    )
+    if parts.scheme not in MLFLOW_SCHEMES:
+        return f"{parts.scheme or 'no'} scheme; {allowed}"
+    if parts.scheme == "file":
+        return None if parts.path.startswith("/") else f"not an absolute path; {allowed}"
+    try:
+        port = parts.port
+    except ValueError as err:  # not a number, or out of range
+        return f"{err}; {allowed}"
+    if not parts.hostname or port == 0:
+        return f"no host and port to reach; {allowed}"
+    return None
+
+
+@dataclass
+class LoggersConfig:
+    """configs/logger/*.yaml: each option sets its own key, so that several combine:
+    logger=[tensorboard,wandb]. A logger left null is not used."""
+
+    tensorboard: Optional[TensorBoardConfig] = None
+    csv: Optional[CsvLoggerConfig] = None
+    wandb: Optional[WandbConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+
+    def chosen(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
 
 class Precision(Enum):
@@ -466,7 +535,7 @@ class DeployConfig:
 class TrainConfig:
     model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
     data: Any = MISSING  # PointsConfig or TokensConfig, likewise
-    logger: Any = MISSING  # TensorBoardConfig, CsvLoggerConfig, WandbConfig or MlflowLoggerConfig
+    logger: LoggersConfig = MISSING  # each option of the logger group sets one of its keys
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
     nccl: NcclConfig = MISSING
@@ -566,12 +635,9 @@ def to_train_config(
 
 
 # Groups whose options have schemas of their own; a saved config names none, its keys tell.
-LOGGER_SCHEMAS = {"tensorboard": TensorBoardConfig, "csv": CsvLoggerConfig, "wandb": WandbConfig,
-                  "mlflow": MlflowLoggerConfig}  # fmt: skip
 OPTION_SCHEMAS = {
     "model": (MlpConfig, GptConfig),
     "data": (PointsConfig, TokensConfig),
-    "logger": tuple(LOGGER_SCHEMAS.values()),  # tensorboard and csv have no keys: the first fits
 }
 
 
@@ -778,7 +844,5 @@ def register_configs() -> None:
     store.store(group="model", name="gpt_schema", node=GptConfig)
     store.store(group="data", name="points_schema", node=PointsConfig)
     store.store(group="data", name="tokens_schema", node=TokensConfig)
-    for name, schema in LOGGER_SCHEMAS.items():
-        store.store(group="logger", name=f"{name}_schema", node=schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)

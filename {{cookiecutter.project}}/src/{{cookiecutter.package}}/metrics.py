@@ -7,15 +7,17 @@ a progress bar on a terminal (log lines elsewhere), and metrics.png at the end.
 
 import argparse
 import csv
+import io
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, loggers
+from {{ cookiecutter.package }} import PROJECT, check, loggers
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +43,24 @@ class RunRecord:
         self.logger = self.progress = None
         if not enabled:
             return
-        self.logger = loggers.build(logger, run_dir, start_step, config)
-        # A resumed run starts again after its checkpoint: forget what was logged past it.
+        # Hydra makes the run dir, but a caller without Hydra (bench) may hand over a new one.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.logger = loggers.build(logger, run_dir, start_step, config)
+        except loggers.LoggerError as err:
+            exit_before_the_others(err, run_dir)
+        # A resumed run starts again after its checkpoint: forget what was logged past it. Each
+        # file is replaced whole, so that a kill during the rewrite leaves the old one.
         kept = [row for row in read_raw_rows(run_dir) if float(row["step"]) <= start_step]
-        self.csv_file = (run_dir / "metrics.csv").open("w", newline="")
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept)
+        replace(run_dir / "metrics.csv", table.getvalue())
+        jsonl = [line for line, row in read_jsonl(run_dir) if row["step"] <= start_step]
+        replace(run_dir / "metrics.jsonl", "".join(f"{line}\n" for line in jsonl))
+        self.csv_file = (run_dir / "metrics.csv").open("a", newline="")
         self.csv = csv.DictWriter(self.csv_file, fieldnames=COLUMNS)
-        self.csv.writeheader()
-        self.csv.writerows(kept)
-        self.csv_file.flush()
-        jsonl = run_dir / "metrics.jsonl"
-        lines = jsonl.read_text().splitlines() if jsonl.exists() else []
-        jsonl.write_text(
-            "".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= start_step)
-        )
         if sys.stdout.isatty():
             self.progress = ProgressBar(max_steps, start_step)
 
@@ -97,6 +104,19 @@ class RunRecord:
             self.progress.stop()
         self.logger.close()
         self.csv_file.close()
+
+
+def exit_before_the_others(err: loggers.LoggerError, run_dir: Path) -> NoReturn:
+    """Only rank 0 starts the loggers; the other ranks wait for it in the first step's all-reduce
+    and fail once it ends. So it ends at once, exit 2 after one line naming the logger, and
+    claims the failure report: theirs then say "failed too", and the launcher names this one."""
+    from {{ cookiecutter.package }} import failfast  # torch: not for the plot command
+
+    failfast.claim_report(run_dir)
+    print(f"config error: {err}", file=sys.stderr, flush=True)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(check.EXIT_CONFIG_ERROR)  # no unwinding: a later exit reads as a consequence
 
 
 class ProgressBar:
@@ -157,13 +177,76 @@ def plot_and_log(run_dir: Path) -> None:
         log.info("plot %s", path.relative_to(run_dir))
 
 
+def replace(path: Path, text: str) -> None:
+    """Write `path` whole: a new file renamed over the old one."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+def warn_unreadable(path: Path, numbers: list[int], total: int) -> None:
+    """A kill in the middle of a write leaves the last line cut short; the run goes on without it."""
+    if numbers == [total]:
+        what = f"its last line ({total}) is cut short, as a run killed while writing it leaves it"
+    else:
+        what = f"line(s) {', '.join(map(str, numbers))} of {total} cannot be read"
+    log.warning("%s: %s; left out", path, what)
+
+
+def number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 def read_raw_rows(run_dir: Path) -> list[dict[str, str]]:
-    """metrics.csv's rows as written, so that a rewrite keeps them as they were."""
+    """metrics.csv's rows as written, so that a rewrite keeps them as they were: one per known
+    column. A row that is cut short or not numbers is left out, with a warning."""
     path = run_dir / "metrics.csv"
     if not path.exists():
         return []
-    with path.open(newline="") as rows:
-        return list(csv.DictReader(rows))
+    lines = path.read_text(errors="replace").splitlines()
+    if not lines:
+        return []
+    header = next(csv.reader([lines[0]]), [])
+    rows, unreadable = [], []
+    for line_number, line in enumerate(lines[1:], start=2):
+        values = next(csv.reader([line]), [])
+        row = dict(zip(header, values, strict=False))  # the lengths are checked next
+        if (
+            len(values) != len(header)
+            or not row.get("step")
+            or not all(number(value) for value in values if value)
+        ):
+            unreadable.append(line_number)
+            continue
+        rows.append({column: row.get(column, "") for column in COLUMNS})
+    if unreadable:
+        warn_unreadable(path, unreadable, len(lines))
+    return rows
+
+
+def read_jsonl(run_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """metrics.jsonl's lines with their rows; one that is cut short is left out, with a warning."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    rows, unreadable = [], []
+    for line_number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row.get("step"), int):
+                raise ValueError("no step")
+        except (ValueError, AttributeError):
+            unreadable.append(line_number)
+            continue
+        rows.append((line, row))
+    if unreadable:
+        warn_unreadable(path, unreadable, len(lines))
+    return rows
 
 
 def read_rows(run_dir: Path) -> list[dict[str, float | None]]:
