@@ -173,15 +173,16 @@ class RenderSuites:
     own, and its `pytest -m render` run from the project on 2 xdist workers, which keeps
     --dist loadgroup's grouping in play."""
 
-    def __init__(self, base: Path):
-        self.base, self.runs = base, {}
-        self.started = {id_: threading.Event() for id_ in RENDERS}
+    def __init__(self, base: Path, ids: list[str]):
+        self.base, self.ids, self.runs = base, ids, {}
+        self.started = {id_: threading.Event() for id_ in ids}
         self.stopping, self.process, self.lock = False, None, threading.Lock()
         self.thread = threading.Thread(target=self.run_all, daemon=True)
         self.thread.start()
 
     def run_all(self) -> None:
-        for id_, answers in RENDERS.items():
+        for id_ in self.ids:
+            answers = RENDERS[id_]
             folder = self.base / id_
             folder.mkdir()
             run = SimpleNamespace(output=folder / "output.txt", report=folder / "junit.xml",
@@ -194,7 +195,9 @@ class RenderSuites:
                 site_dir = install(run.project, folder / "site")
                 run.before = files_of(run.project)
                 env = env_with_path(site_dir, PATH=f"{site_dir / 'bin'}:{os.environ['PATH']}")
-                command = [sys.executable, "-m", "pytest", "-m", "render", "-n", "2"]
+                # Niced: the default project's suite is the session's longest path, and these
+                # take the CPU that it leaves while it waits (on timeouts, on hung ranks).
+                command = ["nice", "-n", "5", sys.executable, "-m", "pytest", "-m", "render", "-n", "2"]
                 with self.lock:  # stop() ends what has started, and nothing starts after it
                     if self.stopping:
                         raise RuntimeError("the session ended first")
@@ -219,12 +222,14 @@ class RenderSuites:
 
 @pytest.fixture(scope="session", autouse=True)
 def render_suites(request, tmp_path_factory):
-    """RENDERS' suites, started as the session starts where RENDER_TEST is selected, beside the
-    default project's (generated_suite)."""
-    if not any(item.originalname == RENDER_TEST for item in request.session.items):
+    """The suites of the RENDERS whose RENDER_TEST is selected, started as the session starts,
+    beside the default project's (generated_suite)."""
+    selected = {item.callspec.params["render_id"] for item in request.session.items
+                if item.originalname == RENDER_TEST}  # fmt: skip
+    if not selected:
         yield None
         return
-    suites = RenderSuites(tmp_path_factory.mktemp("render-suites"))
+    suites = RenderSuites(tmp_path_factory.mktemp("render-suites"), [id_ for id_ in RENDERS if id_ in selected])
     yield suites
     suites.stop()
 
