@@ -217,7 +217,7 @@ class RenderSuites:
         with self.lock:
             self.stopping = True
             end(self.process)
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=10)  # a render or install under way ends on its own
 
 
 @pytest.fixture(scope="session", autouse=True)
