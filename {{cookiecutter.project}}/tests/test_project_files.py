@@ -86,7 +86,7 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     differs = k8s("--check")
     assert differs.returncode == 1
     lines = differs.stdout.splitlines()
-    assert f"--- k8s/{FLAVOR}.yaml" in lines
+    assert f"--- {workload.relative_to(project)}" in lines
     assert [line.split()[-1] for line in lines if line[:1] in "-+" and "acme/x" in line] == [
         "ghcr.io/acme/x:2.1",
         "ghcr.io/acme/x:2.0",
