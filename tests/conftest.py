@@ -4,8 +4,10 @@ import copy
 import json
 import os
 import signal
+import site
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,6 +80,18 @@ def installed_default(default_project, tmp_path_factory) -> Path:
 
 
 SUITE_TEST = "test_generated_projects_own_tests_pass_and_skip_only_gpu_tests"
+RENDER_TEST = "test_each_render_passes_the_tests_that_depend_on_it"
+# Renders beyond the default, each installed as its image installs it (`pip install .`) and
+# checked by its own tests that depend on what it was made with (`pytest -m render`: config,
+# check, k8s, the project files, and its manifest's launch line trained on two nodes; the
+# generated tests/conftest.py says which). The default project runs its whole suite.
+RENDERS = {
+    "trainjob-2nodes-4gpus-infiniband": {"k8s_flavor": "trainjob", "num_nodes": "2", "num_gpus": "4",
+                                         "nccl_profile": "infiniband", "package": "pretrainer"},
+    "jobset-2nodes-8gpus-socket": {"k8s_flavor": "jobset", "num_nodes": "2", "num_gpus": "8",
+                                   "nccl_profile": "socket", "project": "sets-of-nodes"},
+    "job-1gpu-pcie-safe": {"k8s_flavor": "job", "num_gpus": "1", "nccl_profile": "pcie_safe"},
+}  # fmt: skip
 
 
 def files_of(project: Path) -> dict[str, bytes]:
@@ -91,35 +105,133 @@ def files_of(project: Path) -> dict[str, bytes]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The test that reads the generated project's suite goes last: the suite starts with the
-    session (generated_suite), and the template's other tests run beside it, not before it."""
-    items.sort(key=lambda item: item.name == SUITE_TEST)
+    """The tests that read the background suites go last, the renders' before the default's:
+    the suites start with the session (generated_suite, render_suites), and the template's
+    other tests run beside them, not before them."""
+    items.sort(key=lambda item: (item.originalname == SUITE_TEST, item.originalname == RENDER_TEST))
+
+
+def quick_start_venv(folder: Path) -> Path:
+    """`python -m venv .venv` that sees this environment's packages, as `make torch` and
+    `make install` would have filled it, without the network. --system-site-packages would not
+    do: from a venv, it reaches the base interpreter's packages, not the venv's."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    (purelib,) = (folder / "lib").glob("python*/site-packages")
+    lines = [f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages()]
+    (purelib / "_template_env.pth").write_text("".join(lines))  # pip too: the venv has none
+    return folder
+
+
+def suite_process(command: list[str], cwd: Path, env: dict, folder: Path) -> subprocess.Popen:
+    """A test suite in the background, its output in folder/output.txt; pytest's options in
+    PYTEST_ADDOPTS, so that `make test` gets them as it is: -v for a line per test, and a junit
+    report (folder/junit.xml) that says what was skipped and why."""
+    options = f"-v -p no:cacheprovider --junitxml={folder / 'junit.xml'}"
+    with (folder / "output.txt").open("w") as output:
+        return subprocess.Popen(
+            command, cwd=cwd, env={**env, "PYTEST_ADDOPTS": options}, stdout=output,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def end(process: subprocess.Popen | None) -> None:
+    """Nothing a background suite started outlives the session."""
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def generated_suite(request, tmp_path_factory):
-    """The default project's own tests, started as the session starts where SUITE_TEST is
-    selected: they keep both cores busy for minutes, and the rest of the template's tests (a
-    minute and a half of CPU, a third of it waiting) would otherwise add their time to it.
-    Their output goes to a file that SUITE_TEST streams; their report to junit.xml beside it."""
-    if not any(item.name == SUITE_TEST for item in request.session.items):
+    """The default project's own tests, as its Quick start runs them: a fresh render installed
+    editable (make install: pip install -e) in a venv, then `make test` from the project with
+    that venv's bin first on PATH. Started as the session starts where SUITE_TEST is selected:
+    they keep both cores busy for minutes, and the rest of the template's tests (a minute and a
+    half of CPU, a third of it waiting) would otherwise add their time to it. Their output goes
+    to a file that SUITE_TEST streams; their report to junit.xml beside it."""
+    if not any(item.originalname == SUITE_TEST for item in request.session.items):
         yield None
         return
-    project = request.getfixturevalue("default_project")
-    site = request.getfixturevalue("installed_default")
     folder = tmp_path_factory.mktemp("generated-suite")
+    project = render(tmp_path_factory.mktemp("quick-start"))  # installed from nowhere else
+    venv = quick_start_venv(folder / "venv")
+    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "-e", "."],
+                   cwd=project, check=True, capture_output=True, timeout=300)  # fmt: skip
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    env |= {"PATH": f"{venv / 'bin'}:{env['PATH']}", "VIRTUAL_ENV": str(venv)}
     before = files_of(project)
-    with (folder / "output.txt").open("w") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={folder / 'junit.xml'}"],
-            cwd=project, env=env_with_path(site), stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    process = suite_process(["make", "test"], project, env, folder)
     yield SimpleNamespace(process=process, output=folder / "output.txt", report=folder / "junit.xml",
                           project=project, before=before)  # fmt: skip
-    if process.poll() is None:  # the session ended early: nothing the suite started outlives it
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    end(process)
+
+
+class RenderSuites:
+    """RENDERS, one after the other in a thread: each rendered (cookiecutter's command line: its
+    API changes directory, which a thread must not), installed non-editably into a folder of its
+    own, and its `pytest -m render` run from the project on 2 xdist workers, which keeps
+    --dist loadgroup's grouping in play."""
+
+    def __init__(self, base: Path, ids: list[str]):
+        self.base, self.ids, self.runs = base, ids, {}
+        self.started = {id_: threading.Event() for id_ in ids}
+        self.stopping, self.process, self.lock = False, None, threading.Lock()
+        self.thread = threading.Thread(target=self.run_all, daemon=True)
+        self.thread.start()
+
+    def run_all(self) -> None:
+        for id_ in self.ids:
+            answers = RENDERS[id_]
+            folder = self.base / id_
+            folder.mkdir()
+            run = SimpleNamespace(output=folder / "output.txt", report=folder / "junit.xml",
+                                  process=None, project=None, before=None, error=None)  # fmt: skip
+            self.runs[id_] = run
+            try:
+                done = cookiecutter_cli(folder, *(f"{key}={value}" for key, value in answers.items()))
+                assert done.returncode == 0, done.stderr
+                (run.project,) = [path for path in folder.iterdir() if path.is_dir()]
+                site_dir = install(run.project, folder / "site")
+                run.before = files_of(run.project)
+                env = env_with_path(site_dir, PATH=f"{site_dir / 'bin'}:{os.environ['PATH']}")
+                # Niced: the default project's suite is the session's longest path, and these
+                # take the CPU that it leaves while it waits (on timeouts, on hung ranks).
+                command = ["nice", "-n", "5", sys.executable, "-m", "pytest", "-m", "render", "-n", "2"]
+                with self.lock:  # stop() ends what has started, and nothing starts after it
+                    if self.stopping:
+                        raise RuntimeError("the session ended first")
+                    run.process = self.process = suite_process(command, run.project, env, folder)
+            except Exception as error:  # the test of this render reports it
+                run.error = f"{type(error).__name__}: {error}"
+            self.started[id_].set()
+            if run.process is not None:
+                run.process.wait()
+
+    def run(self, id_: str) -> SimpleNamespace:
+        """RENDERS[id_]'s run, once it has started (or failed to)."""
+        self.started[id_].wait()
+        return self.runs[id_]
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            end(self.process)
+        self.thread.join(timeout=10)  # a render or install under way ends on its own
+
+
+@pytest.fixture(scope="session", autouse=True)
+def render_suites(request, tmp_path_factory):
+    """The suites of the RENDERS whose RENDER_TEST is selected, started as the session starts,
+    beside the default project's (generated_suite)."""
+    selected = {item.callspec.params["render_id"] for item in request.session.items
+                if item.originalname == RENDER_TEST}  # fmt: skip
+    if not selected:
+        yield None
+        return
+    suites = RenderSuites(tmp_path_factory.mktemp("render-suites"), [id_ for id_ in RENDERS if id_ in selected])
+    yield suites
+    suites.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,21 +9,20 @@ import time
 from xml.etree import ElementTree
 
 import pytest
-from conftest import env_with_path, files_of
+from conftest import RENDERS, env_with_path, files_of
 
 # The only skip a machine without 2 GPUs may show: the tests marked gpu.
 GPU_SKIP = "needs 2 CUDA devices"
 
 
-@pytest.mark.timeout(1500)  # the README's testing section says how long it takes
-def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(generated_suite, capsys):
-    """The suite runs from the session's start (conftest.generated_suite); its lines stream to
-    the terminal here, those already written at once, then each as its test ends."""
-    process = generated_suite.process
+def stream(run, title: str, capsys) -> str:
+    """A background suite's lines on the terminal, those already written at once, then each as
+    its test ends; the whole output once its process has ended."""
+    process = run.process
     output = []
     try:
-        with capsys.disabled(), generated_suite.output.open() as lines:
-            print("\n--- the generated project's tests ---", flush=True)
+        with capsys.disabled(), run.output.open() as lines:
+            print(f"\n--- {title} ---", flush=True)
             while True:
                 start, running = lines.tell(), process.poll() is None
                 line = lines.readline()
@@ -38,20 +37,57 @@ def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(generated_sui
     finally:
         if process.poll() is None:  # the timeout: nothing it started outlives this test
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.wait() == 0, "".join(output[-200:])
-    cases = ElementTree.parse(generated_suite.report).getroot().iter("testcase")
-    skipped = {
-        f"{case.get('classname')}.{case.get('name')}": skip.get("message", "")
-        for case in cases
-        for skip in case.findall("skipped")
-    }
-    unexpected = {name: why for name, why in skipped.items() if GPU_SKIP not in why}
-    assert unexpected == {}, unexpected
-    # make test leaves the user's project as it was: no config rewritten, no stray files
-    after = files_of(generated_suite.project)
-    changed = sorted(name for name in after.keys() | generated_suite.before.keys()
-                     if after.get(name) != generated_suite.before.get(name))  # fmt: skip
-    assert changed == []
+    process.wait()
+    return "".join(output)
+
+
+def outcomes(run) -> tuple[list[str], dict[str, str]]:
+    """(every test case's name, each skipped one's -> why), from the junit report."""
+    found, skipped = [], {}
+    for case in ElementTree.parse(run.report).getroot().iter("testcase"):
+        found.append(name := f"{case.get('classname')}.{case.get('name')}")
+        for skip in case.findall("skipped"):
+            skipped[name] = skip.get("message", "")
+    return found, skipped
+
+
+def changed_files(run) -> list[str]:
+    """What the suite changed in the project: a user's `make test` leaves it as it was, with no
+    config rewritten and no stray files."""
+    after = files_of(run.project)
+    return sorted(name for name in after.keys() | run.before.keys()
+                  if after.get(name) != run.before.get(name))  # fmt: skip
+
+
+@pytest.mark.timeout(1500)  # the README's testing section says how long it takes
+def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(generated_suite, capsys):
+    """The Quick start's `make test` on its editable install, running from the session's start
+    (conftest.generated_suite)."""
+    output = stream(generated_suite, "the generated project's tests (make test)", capsys)
+    assert generated_suite.process.returncode == 0, output[-20000:]
+    _, skipped = outcomes(generated_suite)
+    assert {name: why for name, why in skipped.items() if GPU_SKIP not in why} == {}
+    assert changed_files(generated_suite) == []
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("render_id", RENDERS)
+def test_each_render_passes_the_tests_that_depend_on_it(render_suites, render_id, capsys):
+    """Each of RENDERS' `pytest -m render`, installed non-editably, running from the session's
+    start (conftest.render_suites): config, check, k8s and project files, and its own
+    manifest's launch line trained on two nodes. None fails or skips."""
+    run = render_suites.run(render_id)
+    assert run.error is None, run.error
+    output = stream(run, f"{render_id}: pytest -m render", capsys)
+    assert run.process.returncode == 0, output[-20000:]
+    found, skipped = outcomes(run)
+    assert skipped == {}
+    modules = {name.split(".")[1] for name in found}  # tests.<module>.<test>
+    assert modules == {"test_config", "test_check", "test_k8s", "test_project_files", "test_multinode"}
+    flavor = RENDERS[render_id]["k8s_flavor"]
+    trained = [name for name in found if ".test_the_manifests_launch_line_trains_on_two_nodes" in name]
+    assert trained == [f"tests.test_multinode.test_the_manifests_launch_line_trains_on_two_nodes[{flavor}]"]
+    assert changed_files(run) == []
 
 
 def test_torchrun_trains_from_another_directory(installed_default, tmp_path):

@@ -12,12 +12,20 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_module
 
 from {{ cookiecutter.package }}.config import register_configs
 
 PACKAGE = "{{ cookiecutter.package }}"
+ROOT = Path(__file__).resolve().parents[1]
 RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
+
+
+# Modules whose every test reads what this project was made with (the k8s flavor, nodes, GPUs,
+# NCCL profile, package) from configs/ or k8s/: with the tests marked render, what the template
+# runs for each of its renders (pytest -m render), beside the whole suite for its default one.
+RENDER_MODULES = {"test_config", "test_check", "test_k8s", "test_project_files"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -26,6 +34,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     Tests that share a module-scoped fixture (a trained run: seconds of CPU) run on one worker,
     which makes it once; spread over workers, each would make its own."""
     for item in items:
+        if item.module.__name__ in RENDER_MODULES:
+            item.add_marker(pytest.mark.render)
         if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpus"))
             continue
@@ -35,6 +45,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())[-1:]
         ):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def deploy_defaults() -> dict:
+    """configs/deploy/default.yaml: the flavor, nodes and GPUs that k8s/ was rendered for."""
+    return yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())
+
+
+def trainer_container(flavor: str, workload: dict) -> dict:
+    """The container that runs the launcher in each pod of `workload` (k8s/<flavor>.yaml): its
+    command, args, env and resources. A TrainJob's is its spec.trainer, from which Trainer's
+    torch plugin makes the container (resourcesPerNode, numProcPerNode)."""
+    spec = workload["spec"]
+    if flavor == "trainjob":
+        return spec["trainer"]
+    if flavor == "pytorchjob":
+        pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    elif flavor == "jobset":
+        (replicated,) = spec["replicatedJobs"]
+        pod = replicated["template"]["spec"]["template"]["spec"]
+    else:
+        pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    return container
 
 
 def shared_folder(request: pytest.FixtureRequest) -> Path:

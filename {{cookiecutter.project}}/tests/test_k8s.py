@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PACKAGE
+from conftest import PACKAGE, deploy_defaults
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import k8s
@@ -122,7 +122,7 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
         [sys.executable, "-c", render], cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert (out / "job.yaml").exists()
+    assert (out / f"{deploy_defaults()['flavor']}.yaml").exists()
     import torch
 
     from {{ cookiecutter.package }}.check import load_config

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import yaml
-from conftest import launcher_bin, read_metrics, worker_pids
+from conftest import deploy_defaults, launcher_bin, read_metrics, trainer_container, worker_pids
 
 from {{ cookiecutter.package }} import check, k8s
 
@@ -42,6 +42,14 @@ POD_NAMES = {
     "trainjob": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),  # a JobSet's
 }
 FLAVORS = list(POD_NAMES)
+# This project's own flavor's launch line is the short training the template runs for each of
+# its renders (pytest -m render: tests/conftest.py).
+FLAVOR_PARAMS = [
+    pytest.param(flavor, marks=pytest.mark.render)
+    if flavor == deploy_defaults()["flavor"]
+    else flavor
+    for flavor in FLAVORS
+]
 # The pod's hostname, and its read-only root filesystem (readOnlyRootFilesystem) with /tmp, its
 # emptyDir, still writable; /dev/shm is a mount of its own.
 AS_A_POD = 'hostname "$0" && mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"'
@@ -136,18 +144,9 @@ def rendered_pods(flavor: str, gpus: int) -> dict:
     )
     deploy, profile = k8s.deploy_and_profile(config)
     manifest = yaml.safe_load(k8s.manifests(deploy, k8s.nccl_env(profile))[f"{flavor}.yaml"])
-    if flavor == "trainjob":  # Trainer's torch plugin makes the container from spec.trainer
-        return manifest, manifest["spec"]["trainer"]
-    if flavor == "pytorchjob":
-        pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    elif flavor == "jobset":
-        (replicated,) = manifest["spec"]["replicatedJobs"]
-        pod = replicated["template"]["spec"]["template"]["spec"]
-    else:
+    if flavor == "job":
         assert manifest["spec"]["completionMode"] == "Indexed"
-        pod = manifest["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    return manifest, container
+    return manifest, trainer_container(flavor, manifest)
 
 
 def operator_env(pytorchjob: dict, port: int) -> dict[str, str]:
@@ -283,7 +282,7 @@ def assert_resumed_and_finished(
     assert "resumed from the checkpoint of step" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("flavor", FLAVOR_PARAMS)
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     # 2 processes per node for the Job; 1 for the others, which read the count from the same
     # deploy.gpus_per_node (a process less per node is seconds of CPU less)

@@ -1,30 +1,40 @@
-"""The files around the code agree with it: the Job's env block, the packaged config groups."""
+"""The files around the code agree with it: the pods' env block and launch line, whichever
+workload k8s/ holds (deploy.flavor), and the packaged config groups."""
 
 import tomllib
 from pathlib import Path
 
 import yaml
+from conftest import deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import k8s, nccl
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package }}"
+FLAVOR = deploy_defaults()["flavor"]
+# What k8s/ holds for 2 nodes, by flavor: a Job needs a headless Service for its pods' names
+# (a JobSet and the operators make their own); a TrainJob's pods get a ServiceAccount.
+FILES_FOR_TWO_NODES = {
+    "job": "job.yaml, runs-pvc.yaml, service.yaml",
+    "jobset": "jobset.yaml, runs-pvc.yaml",
+    "pytorchjob": "pytorchjob.yaml, runs-pvc.yaml",
+    "trainjob": "runs-pvc.yaml, serviceaccount.yaml, trainjob.yaml",
+}
 
 
-def job_container() -> dict:
-    job = yaml.safe_load((ROOT / "k8s" / "job.yaml").read_text())
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    return container
+def workload_container() -> dict:
+    workload = yaml.safe_load((ROOT / "k8s" / f"{FLAVOR}.yaml").read_text())
+    return trainer_container(FLAVOR, workload)
 
 
-def test_job_env_block_matches_the_default_nccl_profile(compose_train):
+def test_the_pods_env_block_matches_the_default_nccl_profile(compose_train):
     config = OmegaConf.to_object(compose_train())
     profile_env = nccl.decide(config.nccl, None, inherited={}).env
-    job_env = {
-        e["name"]: e["value"] for e in job_container()["env"] if e["name"].startswith("NCCL_")
+    pod_env = {
+        e["name"]: e["value"] for e in workload_container()["env"] if e["name"].startswith("NCCL_")
     }
-    assert job_env == profile_env
+    assert pod_env == profile_env
 
 
 def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
@@ -64,20 +74,23 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         for line in deploy_file.read_text().splitlines()
     )
     assert '  - nccl: "pcie_safe"' in (project / "configs" / "train.yaml").read_text()
-    assert (project / "k8s" / "service.yaml").exists()  # rendered with them
 
-    matches = k8s("--check")  # no overrides: what configs/ says now
+    matches = k8s("--check")  # no overrides: what configs/ says now, rendered with them
     assert (matches.returncode, matches.stdout) == (
         0,
-        "k8s/ matches configs/ (job.yaml, runs-pvc.yaml, service.yaml)\n",
+        f"k8s/ matches configs/ ({FILES_FOR_TWO_NODES[FLAVOR]})\n",
     )
 
-    job = project / "k8s" / "job.yaml"
-    job.write_text(job.read_text().replace("backoffLimit: 6", "backoffLimit: 60"))
+    workload = project / "k8s" / f"{FLAVOR}.yaml"
+    workload.write_text(workload.read_text().replace("acme/x:2.0", "acme/x:2.1"))
     differs = k8s("--check")
     assert differs.returncode == 1
-    assert "--- k8s/job.yaml" in differs.stdout and "-  backoffLimit: 60" in differs.stdout
-    assert "+  backoffLimit: 6" in differs.stdout
+    lines = differs.stdout.splitlines()
+    assert f"--- {workload.relative_to(project)}" in lines
+    assert [line.split()[-1] for line in lines if line[:1] in "-+" and "acme/x" in line] == [
+        "ghcr.io/acme/x:2.1",
+        "ghcr.io/acme/x:2.0",
+    ]
     assert (
         differs.stderr
         == f"k8s/ differs from configs/ (1 file(s)); python -m {PACKAGE}.k8s writes it again\n"
@@ -91,14 +104,21 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     assert before != configs  # the first command's overrides stay where it wrote them
 
 
-def test_job_runs_the_launcher_over_all_the_pods_gpus():
+def test_the_pods_run_the_launcher_over_all_their_gpus():
     from {{ cookiecutter.package }}.launch import COMMAND
 
-    container = job_container()
-    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
-    args = container["args"]
-    assert container["command"] == [COMMAND, "train"]
-    assert args[args.index("--nproc-per-node") + 1] == str(gpus)
+    container = workload_container()
+    command = container["command"]
+    if command[:2] == ["/bin/sh", "-c"]:  # several nodes: the script picks the rendezvous host
+        assert f"; exec {COMMAND} train " in command[2] and command[2].endswith(' "$@"')
+    else:
+        assert command == [COMMAND, "train"]
+    if FLAVOR == "trainjob":  # Trainer passes numProcPerNode to torchrun (PET_NPROC_PER_NODE)
+        gpus, nproc = container["resourcesPerNode"]["limits"], container["numProcPerNode"]
+    else:
+        gpus, args = container["resources"]["limits"], container["args"]
+        nproc = args[args.index("--nproc-per-node") + 1]
+    assert str(nproc) == str(gpus["nvidia.com/gpu"]) == str(deploy_defaults()["gpus_per_node"])
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][COMMAND] == (
         f"{PACKAGE}.launch:main"
     )
