@@ -17,8 +17,9 @@ decides how it runs:
   tags `make -n` shows, pip as requirements that the project's extras or the template's
   requirements name, `gh:` templates from the local one.
 
-Every Hydra override shown in a README goes through `python -m <package>.check`. The program runs
-in one process beside the project (drive()), so the imports are paid once: about 20 CPU-seconds.
+Every Hydra override shown in a README goes through `python -m <package>.check`. The checks and
+dry runs share one process beside the project (drive()), so the imports are paid once; the whole
+file, its five renders included, costs about 35 CPU-seconds.
 """
 
 from __future__ import annotations
@@ -763,3 +764,37 @@ def test_the_readmes_say_what_the_image_and_the_manifests_run(flavor_project):
         assert "check-config" not in text and "exec torchrun" not in text
         assert 'ENTRYPOINT ["torchrun"]' not in text and "`torchrun` as PID 1" not in text
     assert f"`{project} train` as PID 1" in (flavor_project / "README.md").read_text()
+
+
+def test_the_printed_cd_works_from_any_directory_even_through_spaces(tmp_path):
+    """The hook runs inside the new project; the `cd` it prints is absolute and quoted."""
+    where = tmp_path / "a dir"
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run([sys.executable, str(TEMPLATE / "new-project"), "--no-input", "-o", "a dir",
+                           "project=spaced"], cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    cd = done.stdout.split("Next:\n", 1)[1].splitlines()[0].strip()
+    went = subprocess.run(["bash", "-c", f"{cd} && pwd"], cwd=tmp_path / "elsewhere", capture_output=True, text=True)
+    assert went.stdout.strip() == str(where / "spaced"), went.stderr
+
+
+def test_k8s_apply_with_a_bad_arg_stops_in_one_line_before_kubectl(default_project, installed_default, tmp_path):
+    """`make k8s-apply ARGS=...` renders first, as the README says; a value it refuses ends there."""
+    project = tmp_path / default_project.name
+    shutil.copytree(default_project, project, ignore=IGNORED)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "kubectl").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "kubectl.log"}\n')
+    (tools / "kubectl").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
+    env |= {"PATH": f"{tools}{os.pathsep}{path_with(installed_default)}", "PYTHONPATH": str(installed_default)}
+    bad = subprocess.run(["make", "-s", "k8s-apply", "ARGS=deploy.nodes=0"], cwd=project, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = [line for line in bad.stderr.splitlines() if not line.startswith("make")]
+    assert bad.returncode != 0 and len(said) == 1 and "deploy.nodes" in said[0], bad.stderr
+    assert not (tmp_path / "kubectl.log").exists()
+    good = subprocess.run(["make", "-s", "k8s-apply", "ARGS=deploy.nodes=2"], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert good.returncode == 0, good.stderr
+    assert (project / "k8s" / "service.yaml").is_file()  # what ARGS asked for is what was applied
+    assert (tmp_path / "kubectl.log").read_text().splitlines()[-1] == "apply -f k8s/"
