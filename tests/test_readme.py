@@ -319,7 +319,7 @@ def run_jobs(jobs: list[dict], site: Path, tmp: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{TEMPLATE / 'tests'}", "PATH": path_with(site)}
     done = subprocess.run(
         [sys.executable, "-c", f"from test_readme import drive; drive({str(jobs_file)!r})"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=500,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(jobs_file.read_text())
