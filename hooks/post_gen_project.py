@@ -3,6 +3,7 @@ steps. Local and idempotent: cruft re-runs this hook on every update."""
 
 import importlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,5 +26,7 @@ STEPS = [  # the same lines as the quick starts of the project's and the templat
     f'make train-cpu ARGS="experiment=smoke"   # 2 CPU processes, 20 steps; make train: {ANSWERS["num_gpus"]} GPU(s)',
     "make test                                # the CPU tests; the GPU ones run where 2 GPUs are visible",
 ]
-print(f"\nCreated {ANSWERS['project']}/. Next:\n  cd {ANSWERS['project']}")
+# This hook runs in the new project, not where the user typed the command (./new-project -o ..
+# from a clone, cookiecutter --output-dir ...): only the absolute path is right from anywhere.
+print(f"\nCreated {ANSWERS['project']}/. Next:\n  cd {shlex.quote(str(Path.cwd()))}")
 print("".join(f"  {step}\n" for step in STEPS))

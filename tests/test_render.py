@@ -503,7 +503,7 @@ def test_dockerfile_passes_hadolint_and_runs_torchrun_as_non_root(rendered):
 def test_cli_renders_and_prints_next_steps(tmp_path):
     done = cookiecutter_cli(tmp_path, "project=cli-demo", "nccl_profile=socket", "num_gpus=4")
     assert done.returncode == 0, done.stderr
-    assert "Created cli-demo/. Next:\n  cd cli-demo\n" in done.stdout
+    assert f"Created cli-demo/. Next:\n  cd {tmp_path / 'cli-demo'}\n" in done.stdout  # right from anywhere
     assert "make train: 4 GPU(s)" in done.stdout
     job = yaml.safe_load((tmp_path / "cli-demo" / "k8s" / "job.yaml").read_text())
     assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
@@ -636,7 +636,7 @@ def test_one_setup_path_in_the_template_readme_cookiecutters_next_and_the_projec
     done = cookiecutter_cli(tmp_path, "project=my-run", "num_gpus=2")
     assert done.returncode == 0, done.stderr
     printed = done.stdout.split("Next:\n", 1)[1].splitlines()
-    assert printed[0].strip() == "cd my-run"
+    assert printed[0].strip() == f"cd {tmp_path / 'my-run'}"
     next_steps = [line.strip() for line in printed[1:] if line.strip()]
     template_steps = quick_start((TEMPLATE / "README.md").read_text())
     assert template_steps[2] == "cd ../my-run"
