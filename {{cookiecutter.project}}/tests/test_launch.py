@@ -65,6 +65,77 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(
     assert out == "" and list(tmp_path.iterdir()) == []  # no run dir, no worker output
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node=0: must be a number of processes from 1 to"),
+        (["--nproc-per-node", "abc"], "--nproc-per-node=abc: must be a number of processes"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node=-1: must be a number of processes"),
+        (["--nproc-per-node="], "--nproc-per-node='': must be a number of processes"),
+        (["--nproc-per-node", "9" * 30], f"--nproc-per-node={'9' * 30}: must be a number"),
+        (["--nproc-per-node"], "--nproc-per-node: needs a value"),
+        (["--nnodes", "0"], "--nnodes=0: must be a number of nodes (1 or more), or MIN:MAX"),
+        (["--nnodes", "1:0"], "--nnodes=1:0: must be a number of nodes"),
+        (["--nnodes", "2:1"], "--nnodes=2:1: must be a number of nodes"),
+        (["--nnodes="], "--nnodes='': must be a number of nodes"),
+        (["--nnodes", "1:2:3"], "--nnodes=1:2:3: must be a number of nodes"),
+        (["--standalone", "--nnodes", "2"], "--nnodes=2: --standalone runs one node"),
+        (["--max-restarts", "-1"], "--max-restarts=-1: must be 0 or more"),
+        (["--max-restarts", "x"], "--max-restarts='x': must be a whole number"),
+        (["--node-rank", "-1"], "--node-rank=-1: must be from 0 to 0"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2: must be from 0 to 1"),
+        (["--rdzv-backend", "zk"], "--rdzv-backend=zk: no such backend; allowed: c10d,"),
+        (["--rdzv-endpoint", "host:port"], "--rdzv-endpoint=host:port: must be HOST or HOST:PORT"),
+        (["--rdzv-endpoint", "host:70000"], "--rdzv-endpoint=host:70000: must be HOST or"),
+        (["--rdzv-conf", "=1"], "--rdzv-conf==1: must be KEY=VALUE pairs"),
+        (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf=join_timeout=soon: must be KEY=VALUE"),
+        (["--monitor-interval", "0"], "--monitor-interval=0.0: must be a number of seconds above 0"),
+        (["--monitor-interval", "nan"], "--monitor-interval=nan: must be a number of seconds"),
+        (["--master-port", "0"], "--master-port=0: must be a port, 1 to 65535"),
+        (["-r", "9"], "--redirects=9: must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (["--local-ranks-filter", "a"], "--local-ranks-filter=a: must be local ranks"),
+        (["--start-method", "x"], "--start-method: invalid choice: 'x'"),
+    ],
+)
+def test_a_torchrun_option_that_cannot_work_is_one_line_naming_it(
+    tmp_path, monkeypatch, capsys, args, line
+):
+    """Each of these gave torchrun's ZeroDivisionError, ValueError, AssertionError or argparse's
+    usage block, or a world of -1 processes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    code = launcher.main(["train", *args])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert stderr_lines(err) == [stderr_lines(err)[0]] and err.startswith(
+        f"{launcher.COMMAND} train: {line}"
+    ), err
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_an_option_from_the_environment_is_named_by_its_variable(tmp_path, monkeypatch, capsys):
+    """Operators pass torchrun its options in PET_* variables: the line names the variable."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "0")
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    assert launcher.main(["train"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"{launcher.COMMAND} train: PET_NPROC_PER_NODE=0: must be a number of processes"
+    )
+
+
+@pytest.mark.parametrize("quoted", ["'run dir'", '"run dir"'])
+def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, quoted):
+    """The launcher checked (and created) `'run dir'`, quotes and all, where the workers use
+    `run dir`."""
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "run", started.append)
+    assert launcher.main(["train", "--nproc-per-node", "1", f"hydra.run.dir={quoted}"]) == 0
+    assert len(started) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["run dir"]
+
+
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():
     args = ["--nproc-per-node", "2", "--rdzv-conf", "join_timeout=5", "--standalone",
             "--max-restarts=1", "trainer.lr=0.1", "hydra.run.dir=x"]  # fmt: skip
