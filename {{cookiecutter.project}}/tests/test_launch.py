@@ -6,8 +6,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import (
@@ -19,6 +21,7 @@ from conftest import (
     wait_for_metrics,
     worker_pids,
 )
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
 from {{ cookiecutter.package }} import checkpoint
@@ -89,7 +92,10 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(
         (["--rdzv-endpoint", "host:70000"], "--rdzv-endpoint=host:70000: must be HOST or"),
         (["--rdzv-conf", "=1"], "--rdzv-conf==1: must be KEY=VALUE pairs"),
         (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf=join_timeout=soon: must be KEY=VALUE"),
-        (["--monitor-interval", "0"], "--monitor-interval=0.0: must be a number of seconds above 0"),
+        (
+            ["--monitor-interval", "0"],
+            "--monitor-interval=0.0: must be a number of seconds above 0",
+        ),
         (["--monitor-interval", "nan"], "--monitor-interval=nan: must be a number of seconds"),
         (["--master-port", "0"], "--master-port=0: must be a port, 1 to 65535"),
         (["-r", "9"], "--redirects=9: must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
@@ -259,3 +265,176 @@ def test_the_summary_blames_the_cause_not_its_consequences():
         "train", {0: failure(0, -signal.SIGTERM, at=1), 1: failure(1, 4, at=2)}
     )
     assert launcher.summary(diverged)[1] == 4
+
+
+def failure(rank: int, code: int, at: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    made = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+    made.timestamp = at
+    return made
+
+
+@pytest.mark.parametrize("codes", [(130, 130), (-signal.SIGINT, 130), (143, -signal.SIGTERM)])
+def test_workers_that_were_stopped_are_not_blamed(codes):
+    """Ctrl-C reaches every process of the group: workers that stopped (with a checkpoint) before
+    torchrun saw the signal are no rank's failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    err = ChildFailedError("train", {i: failure(i, code, at=i) for i, code in enumerate(codes)})
+    line, code = launcher.summary(err)
+    name = signal.Signals(abs(codes[0]) % 128).name
+    assert (line, code) == (f"stopped by {name}", 128 + abs(codes[0]) % 128)
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        lambda: SignalException("SIGINT", signal.SIGINT),
+        KeyboardInterrupt,  # before torchrun's handler is in place: its rendezvous, say
+    ],
+    ids=["in torchrun", "before torchrun"],
+)
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys, stop):
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(parsed):
+        raise stop()
+
+    monkeypatch.setattr(launcher, "run", interrupted)
+    code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
+    assert code == 130
+    assert stderr_lines(capsys.readouterr().err)[-1].startswith(
+        f"{launcher.COMMAND} train: stopped by SIGINT"
+    )
+
+
+def workers_wrote(run_dir: Path, rows: bool = False, saved: bool = False) -> None:
+    """What the workers leave in a run dir before their first step: Hydra's files, an empty
+    log and metrics file; with `rows`/`saved`, a logged step and a checkpoint."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("trainer: {}\n")
+    (run_dir / "train.log").write_text("")
+    (run_dir / "metrics.jsonl").write_text('{"step": 5}\n' if rows else "")
+    if saved:
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "step_000000005.pt").write_bytes(b"x")
+
+
+@pytest.mark.parametrize(
+    ("existed", "rows", "saved", "kept"),
+    [
+        (False, False, False, False),  # made by this launch, nothing in it: removed
+        (False, True, False, True),  # a logged step
+        (False, False, True, True),  # a checkpoint
+        (True, False, False, True),  # the user's dir: never removed
+    ],
+)
+def test_a_stopped_launch_leaves_no_empty_run_dir(
+    tmp_path, monkeypatch, capsys, existed, rows, saved, kept
+):
+    """SIGTERM seconds after a launch left a run dir with Hydra's files alone."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    if existed:
+        run_dir.mkdir()
+
+    def stopped(parsed):
+        workers_wrote(run_dir, rows, saved)
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"]) == 143
+    line = stderr_lines(capsys.readouterr().err)[-1]
+    assert run_dir.exists() == kept
+    if kept:
+        assert line == f"{launcher.COMMAND} train: stopped by SIGTERM"
+    else:
+        assert line == (
+            f"{launcher.COMMAND} train: stopped by SIGTERM before any step was saved or logged; "
+            "removed run"
+        )
+
+
+def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DDP_RUN_NAME", raising=False)
+    made = []
+
+    def stopped(parsed):
+        (run_dir,) = (tmp_path / "outputs").iterdir()  # the launcher made it, checking it
+        made.append(run_dir)
+        workers_wrote(run_dir)
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
+    assert made and not made[0].exists()
+
+
+GIB = 2**30
+
+
+def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_setting():
+    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    line = launcher.memory_line(
+        0, 41, held=int(11.8 * GIB), total=int(23.5 * GIB), limit=(24 * GIB, "this machine has"),
+        evidence=True, config=config, local_size=2,
+    )  # fmt: skip
+    assert line == (
+        "rank 0 (pid 41) was killed for memory: it held 11.8 GiB (this node's 2 processes "
+        "23.5 GiB) of the 24.0 GiB this machine has; try data.batch_size=4 or --nproc-per-node 1"
+    )
+    one = launcher.memory_line(
+        1, 42, held=None, total=None, limit=(GIB // 2, "its cgroup (container) allows"),
+        evidence=True, config=SimpleNamespace(data=SimpleNamespace(batch_size=1)), local_size=1,
+    )  # fmt: skip
+    assert one == "rank 1 (pid 42) was killed for memory: its cgroup (container) allows 0.5 GiB"
+    # without evidence, a SIGKILL is a SIGKILL: no claim about memory
+    assert launcher.memory_line(0, 41, GIB, GIB, (24 * GIB, "x"), False, config, 2) is None
+
+
+def test_the_evidence_of_a_kill_for_memory(monkeypatch):
+    """A SIGKILL counts as one for memory when the kernel counted an OOM kill during the run, or
+    when the workers held 90% of the limit when last seen; otherwise it is not."""
+    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    counts = {"/proc/vmstat": 3}
+    monkeypatch.setattr(launcher, "oom_kills", lambda: dict(counts))
+    monkeypatch.setattr(launcher, "memory_limit", lambda: (10 * GIB, "this machine has"))
+    watch = launcher.MemoryWatch(config, local_size=2)
+    watch.last, watch.total_with = {41: 4 * GIB}, {41: 8 * GIB}
+    assert watch.verdict(0, 41) is None  # 80% of the limit, no kill counted
+    watch.total_with[41] = 9 * GIB
+    assert watch.verdict(0, 41).startswith("rank 0 (pid 41) was killed for memory: it held 4.0")
+    watch.total_with[41] = GIB
+    counts["/proc/vmstat"] = 4  # the kernel's OOM killer struck during the run
+    assert "killed for memory" in watch.verdict(0, 41)
+    assert watch.verdict(1, 99) == (
+        "rank 1 (pid 99) was killed for memory: this machine has 10.0 GiB; try "
+        "data.batch_size=4 or --nproc-per-node 1"
+    )
+
+
+def test_the_memory_watch_sees_what_a_worker_holds():
+    """The sampler, on a real child of this process that holds 200 MiB."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * "
+         "len(b[::4096]); print(flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        child.stdout.readline()  # allocated
+        watch = launcher.MemoryWatch(SimpleNamespace(), local_size=1)
+        watch.sample()
+        assert watch.last[child.pid] >= 200 * 2**20
+        assert watch.total_with[child.pid] >= watch.last[child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_kernels_counts_and_limits_are_readable_here():
+    """Linux: /proc/vmstat counts OOM kills; /proc/meminfo (or a cgroup) gives the limit."""
+    assert "/proc/vmstat" in launcher.oom_kills()
+    limit, what = launcher.memory_limit()
+    assert limit > 2**27 and what in ("this machine has", "its cgroup (container) allows")
