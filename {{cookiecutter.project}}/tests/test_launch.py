@@ -142,6 +142,24 @@ def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, quote
     assert [p.name for p in tmp_path.iterdir()] == ["run dir"]
 
 
+@pytest.mark.parametrize(
+    ("override", "run_dir"),
+    [
+        ("hydra.run.dir='a b'", "a b"),
+        ('hydra.run.dir="/tmp/x"', "/tmp/x"),
+        ("++hydra.run.dir=run", "run"),
+        (r"hydra.run.dir=a\,b", "a,b"),  # Hydra's escape
+        ("hydra.run.dir=${oc.env:HOME}/run", None),  # the workers resolve it
+        ("trainer.lr=0.1", None),
+    ],
+)
+def test_the_run_dir_of_a_multi_node_launch_is_read_as_hydra_reads_it(override, run_dir):
+    """With several nodes the launcher cannot compose the default dir's name; it checks an
+    explicit one, which it read quotes and all."""
+    found = launcher.explicit_run_dir(["trainer.max_steps=3", override])
+    assert found == (Path(run_dir) if run_dir else None)
+
+
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():
     args = ["--nproc-per-node", "2", "--rdzv-conf", "join_timeout=5", "--standalone",
             "--max-restarts=1", "trainer.lr=0.1", "hydra.run.dir=x"]  # fmt: skip

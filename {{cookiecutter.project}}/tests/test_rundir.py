@@ -204,6 +204,37 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_start
     assert snapshot(trained / "run") == before
 
 
+def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
+    """A finished run relaunched as it was (a Job's pod restarted after the end) is no error."""
+    assert (
+        rundir.resume_problem(trained / "run", check.load_config(["trainer.max_steps=10"])) is None
+    )
+    assert "below step 10" in rundir.resume_problem(
+        trained / "run", check.load_config(["trainer.max_steps=9"])
+    )
+
+
+def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
+    """In this process: the launcher's own check, before any worker's."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+         f"rundir.acquire(Path({str(tmp_path / 'run')!r})); print(flush=True); "
+         "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    try:
+        holder.stdout.readline()
+        problem = rundir.problem(tmp_path / "run", check.load_config([]))
+        free = rundir.problem(tmp_path / "run", check.load_config([]), busy=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert problem.startswith(f"hydra.run.dir={tmp_path / 'run'}: in use by pid {holder.pid}")
+    assert free is None  # several nodes: the workers' guard decides
+    assert rundir.problem(tmp_path / "run", check.load_config([])) is None  # its holder is gone
+
+
 @pytest.mark.parametrize(
     ("entries", "line"),
     [
