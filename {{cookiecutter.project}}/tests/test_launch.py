@@ -131,15 +131,20 @@ def test_an_option_from_the_environment_is_named_by_its_variable(tmp_path, monke
 
 
 @pytest.mark.parametrize("quoted", ["'run dir'", '"run dir"'])
-def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, quoted):
+def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, capsys, quoted):
     """The launcher checked (and created) `'run dir'`, quotes and all, where the workers use
-    `run dir`."""
+    `run dir`: here a file, which it must refuse."""
     monkeypatch.chdir(tmp_path)
-    started = []
-    monkeypatch.setattr(launcher, "run", started.append)
-    assert launcher.main(["train", "--nproc-per-node", "1", f"hydra.run.dir={quoted}"]) == 0
-    assert len(started) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["run dir"]
+    (tmp_path / "run dir").write_text("not a dir")
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["train", "--nproc-per-node", "1", f"hydra.run.dir={quoted}"])
+    assert stop.value.code == 2
+    assert stderr_lines(capsys.readouterr().err) == [
+        "config error: hydra.run.dir=run dir: is a file, not a directory; choose another "
+        "hydra.run.dir"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["run dir"]  # no `'run dir'` beside it
 
 
 @pytest.mark.parametrize(
@@ -380,7 +385,8 @@ def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch,
     made = []
 
     def stopped(parsed):
-        (run_dir,) = (tmp_path / "outputs").iterdir()  # the launcher made it, checking it
+        assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").iterdir())
+        run_dir = tmp_path / "outputs" / os.environ["DDP_RUN_NAME"]  # the launcher named it
         made.append(run_dir)
         workers_wrote(run_dir)
         raise SignalException("SIGTERM", signal.SIGTERM)
@@ -388,6 +394,35 @@ def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch,
     monkeypatch.setattr(launcher, "run", stopped)
     assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
     assert made and not made[0].exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
+    tmp_path, monkeypatch, capsys, signum
+):
+    """SIGTERM while the launcher composed the config killed it silently (exit -15), leaving
+    the run dir it had made to check it."""
+    monkeypatch.chdir(tmp_path)
+    real = launcher.check.load_or_exit
+
+    def signalled(overrides):
+        config = real(overrides)
+        os.kill(os.getpid(), signum)  # the handler raises here, as at any point of the check
+        return config
+
+    monkeypatch.setattr(launcher.check, "load_or_exit", signalled)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert code == 128 + signum
+    assert stderr_lines(capsys.readouterr().err) == [
+        f"{launcher.COMMAND} train: stopped by {signal.Signals(signum).name}"
+    ]
+    assert list(tmp_path.iterdir()) == []
 
 
 GIB = 2**30

@@ -448,12 +448,28 @@ def memory_line(
     return line
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP before torchrun's own handlers are in place (a BaseException, as
+    KeyboardInterrupt is: no `except Exception` on the way, Hydra's or torchrun's, takes it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.sigval = signal.Signals(signum)
+
+
+def stop(signum: int, frame: object) -> NoReturn:
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # until torchrun's handlers take over
+        signal.signal(signum, stop)
     try:
         return launch(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler is in place, or after it
-        print(f"{COMMAND} train: stopped by SIGINT", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
+    except (KeyboardInterrupt, Stopped) as err:  # a stop before the run dir is known
+        name = err.sigval.name if isinstance(err, Stopped) else "SIGINT"
+        print(f"{COMMAND} train: stopped by {name}", file=sys.stderr, flush=True)
+        return 128 + signal.Signals[name]
 
 
 def launch(args: list[str]) -> int:
@@ -492,9 +508,9 @@ def launch(args: list[str]) -> int:
     # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
     # guard decides then.
     problem = rundir.problem(run_dir, config, busy=one_node) if run_dir else None
+    if made_here:  # made to check it: the workers make it (a stop before they do leaves none)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if problem:
-        if made_here:
-            shutil.rmtree(run_dir, ignore_errors=True)
         exit_with_error(f"config error: {problem}")
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
         del os.environ[name]
@@ -518,9 +534,10 @@ def launch(args: list[str]) -> int:
             elif code not in SAID_ALREADY:
                 print(f"{COMMAND} train failed: {line}", file=sys.stderr, flush=True)
             return code
-        except SignalException as err:
-            print(f"{COMMAND} train: {stopped(err.sigval.name)}", file=sys.stderr, flush=True)
-            return 128 + err.sigval
+        except (SignalException, Stopped, KeyboardInterrupt) as err:
+            name = "SIGINT" if isinstance(err, KeyboardInterrupt) else err.sigval.name
+            print(f"{COMMAND} train: {stopped(name)}", file=sys.stderr, flush=True)
+            return 128 + signal.Signals[name]
         except RendezvousError as err:
             print(f"{COMMAND} train: the rendezvous failed: {err}", file=sys.stderr, flush=True)
             return 1
