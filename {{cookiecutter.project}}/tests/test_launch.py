@@ -393,7 +393,7 @@ def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch,
 
     monkeypatch.setattr(launcher, "run", stopped)
     assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
-    assert made and not made[0].exists()
+    assert made and list(tmp_path.iterdir()) == []  # outputs/ too: this launch made it
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -422,6 +422,20 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     assert stderr_lines(capsys.readouterr().err) == [
         f"{launcher.COMMAND} train: stopped by {signal.Signals(signum).name}"
     ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_before_the_workers_made_the_default_run_dir_leaves_no_outputs_dir(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+
+    def stopped(parsed):
+        assert list(tmp_path.iterdir()) == []  # the launcher made outputs/<run> to check it
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
     assert list(tmp_path.iterdir()) == []
 
 

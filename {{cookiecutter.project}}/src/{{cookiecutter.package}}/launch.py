@@ -256,6 +256,13 @@ def planned_run_dir(overrides: list[str]) -> Path | None:
         return None
 
 
+def new_part(path: Path) -> Path:
+    """The topmost of path and its parents that does not exist yet."""
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
 def of_value(run_dir: Path) -> bool:
     """Whether a run dir holds anything a run made: a checkpoint, or a metrics row."""
     rows = run_dir / "metrics.jsonl"
@@ -505,11 +512,12 @@ def launch(args: list[str]) -> int:
     # With several nodes, the default dir's name is the rendezvous's: only an explicit one is known.
     run_dir = planned_run_dir(overrides) if one_node else explicit_run_dir(overrides)
     made_here = run_dir is not None and not run_dir.exists()
+    new = new_part(run_dir) if made_here else None  # outputs/ too, on a first run
     # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
     # guard decides then.
     problem = rundir.problem(run_dir, config, busy=one_node) if run_dir else None
-    if made_here:  # made to check it: the workers make it (a stop before they do leaves none)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if new:  # made to check it: the workers make it (a stop before they do leaves none)
+        shutil.rmtree(new, ignore_errors=True)
     if problem:
         exit_with_error(f"config error: {problem}")
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
@@ -519,10 +527,15 @@ def launch(args: list[str]) -> int:
 
     def stopped(name: str) -> str:
         """The stop's line; a run dir this launch made and left with nothing of value goes."""
-        if made_here and one_node and run_dir.is_dir() and not of_value(run_dir):
+        said = f"stopped by {name}"
+        if new and one_node and run_dir.is_dir() and not of_value(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
-            return f"stopped by {name} before any step was saved or logged; removed {run_dir}"
-        return f"stopped by {name}"
+            said += f" before any step was saved or logged; removed {run_dir}"
+        for parent in run_dir.parents if new else ():  # those the workers made for it, if empty
+            if not parent.is_relative_to(new) or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
+        return said
 
     with MemoryWatch(config, local_size) as memory:
         try:
