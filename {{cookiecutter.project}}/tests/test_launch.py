@@ -425,6 +425,21 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("after_s", [1.0, 2.0])  # importing, composing; a run's: test_sigint
+def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
+    """Ctrl-C in the seconds torch and Hydra take to import gave an import traceback."""
+    process = subprocess.Popen(
+        launch_command("--nproc-per-node", "1", "hydra.run.dir=run"), cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(after_s)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert stderr_lines(err)[-1] == f"{launcher.COMMAND} train: stopped by SIGINT"
+    assert "Traceback" not in err
+
+
 def test_a_stop_before_the_workers_made_the_default_run_dir_leaves_no_outputs_dir(
     tmp_path, monkeypatch, capsys
 ):

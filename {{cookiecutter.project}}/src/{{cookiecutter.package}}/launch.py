@@ -14,6 +14,7 @@ process's code: 2 config, 3 collective failure, 4 diverged, 130 Ctrl-C, 143 SIGT
 the kernel killed for memory is named as such, with the figures and a smaller setting to try.
 """
 
+# ruff: noqa: E402 (the imports after the signal handlers below)
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,20 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-import torch
+from {{ cookiecutter.package }} import PROJECT
+
+
+def stopped_while_starting(signum: int, frame: object) -> NoReturn:
+    """A stop while torch and Hydra import (seconds): nothing has started, nothing to undo."""
+    print(f"{PROJECT} train: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__" or Path(sys.argv[0]).name == PROJECT:  # the command, not an import
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stopped_while_starting)
+
+import torch  # after the handlers: torch's import takes seconds
 from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.distributed.elastic.multiprocessing.api import SignalException, Std
@@ -42,7 +56,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 )
 from torch.distributed.run import get_args_parser, run
 
-from {{ cookiecutter.package }} import PROJECT, check, checkpoint, rundir
+from {{ cookiecutter.package }} import check, checkpoint, rundir
 from {{ cookiecutter.package }}.config import (
     RUN_NAME_VAR,
     TrainConfig,
@@ -471,6 +485,7 @@ def stop(signum: int, frame: object) -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):  # until torchrun's handlers take over
         signal.signal(signum, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt
     try:
         return launch(sys.argv[1:] if argv is None else argv)
     except (KeyboardInterrupt, Stopped) as err:  # a stop before the run dir is known
