@@ -425,7 +425,7 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("after_s", [1.0, 2.0])  # importing, composing; a run's: test_sigint
+@pytest.mark.parametrize("after_s", [1.0, 2.0])  # importing, composing (a run: the workers stop)
 def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
     """Ctrl-C in the seconds torch and Hydra take to import gave an import traceback."""
     process = subprocess.Popen(

@@ -372,3 +372,48 @@ def test_a_sweep_dir_that_is_a_file_is_one_line(tmp_path, capsys):
         f"config error: hydra.sweep.dir={tmp_path / 'sweep'}: is a file, not a directory; choose "
         "another hydra.sweep.dir\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "override", "line"),
+    [
+        (
+            lambda tmp: (tmp / "run" / ".lock").mkdir(parents=True),
+            "hydra.run.dir=run",
+            "config error: hydra.run.dir=run: its lock file .lock cannot be opened (Is a "
+            "directory); remove it if no run uses that dir, or choose another hydra.run.dir",
+        ),
+        (
+            lambda tmp: None,
+            "hydra.run.dir=''",  # Hydra reads it as ".": the run would write into the launch dir
+            "config error: hydra.run.dir='': empty; name a directory, or leave hydra.run.dir out "
+            "for a new one under outputs/",
+        ),
+        (
+            lambda tmp: None,
+            f"hydra.run.dir={'x' * 300}",
+            f"config error: hydra.run.dir={'x' * 300}: cannot be created (File name too long)",
+        ),
+    ],
+    ids=["lock is a dir", "empty", "name too long"],
+)
+def test_a_hostile_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, override, line):
+    """Each gave a traceback (IsADirectoryError, OSError) or ran in the launch dir itself."""
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["train", "--nproc-per-node", "1", override])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
+    """torchrun without the launcher: the guard's own line, not IsADirectoryError."""
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        rundir.guard(tmp_path / "run", None, rundir.Place.run(tmp_path / "run"))
+    assert stop.value.code == 2
+    assert "its lock file .lock cannot be opened (Is a directory)" in capsys.readouterr().err

@@ -253,6 +253,9 @@ def explicit_run_dir(overrides: list[str]) -> Path | None:
             continue
         if parsed.key_or_group == "hydra.run.dir" and not parsed.is_delete():
             value = parsed.value()
+            problem = rundir.empty(value, "hydra.run.dir")
+            if problem:
+                exit_with_error(f"config error: {problem}")
             if isinstance(value, (str, int, float)) and "${" not in str(value):
                 return Path(str(value))
     return None
@@ -265,14 +268,18 @@ def planned_run_dir(overrides: list[str]) -> Path | None:
         register_configs()
         with check.configs_at(None):
             cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-        return Path(cfg.hydra.run.dir)
+        value = cfg.hydra.run.dir
     except Exception:  # an interpolation only a worker can resolve: the workers' guard decides
         return None
+    problem = rundir.empty(value, "hydra.run.dir")
+    if problem:
+        exit_with_error(f"config error: {problem}")
+    return Path(value)
 
 
 def new_part(path: Path) -> Path:
     """The topmost of path and its parents that does not exist yet."""
-    while not path.parent.exists() and path.parent != path:
+    while not rundir.present(path.parent) and path.parent != path:
         path = path.parent
     return path
 
@@ -526,7 +533,7 @@ def launch(args: list[str]) -> int:
     config = check.load_or_exit(overrides)  # as the workers will compose it
     # With several nodes, the default dir's name is the rendezvous's: only an explicit one is known.
     run_dir = planned_run_dir(overrides) if one_node else explicit_run_dir(overrides)
-    made_here = run_dir is not None and not run_dir.exists()
+    made_here = run_dir is not None and not rundir.present(run_dir)
     new = new_part(run_dir) if made_here else None  # outputs/ too, on a first run
     # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
     # guard decides then.

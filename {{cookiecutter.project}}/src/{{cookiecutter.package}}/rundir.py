@@ -62,10 +62,25 @@ class Place(NamedTuple):
         return cls(RUN_KEY, f"{RUN_KEY}={run_dir}")
 
 
+def empty(value: object, key: str) -> str | None:
+    """An empty dir value would run in the launch directory itself (Hydra reads it as .)."""
+    if str(value).strip():
+        return None
+    return f"{key}='': empty; name a directory, or leave {key} out for a new one under outputs/"
+
+
+def present(path: Path) -> bool:
+    """Path.exists(), False where the name cannot exist (too long: unusable() says so)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def unusable(run_dir: Path, place: Place | None = None) -> str | None:
     """Why this process cannot create and write the run dir, or None."""
     key, shown = place or Place.run(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
+    if present(run_dir) and not run_dir.is_dir():
         return f"{shown}: is a file, not a directory; choose another {key}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +118,10 @@ def acquire(
     refused at once; one on another host is waited for up to wait_s."""
     if run_dir in _held:
         return
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err, place)) from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -129,12 +147,23 @@ def release(run_dir: Path) -> None:
         os.close(fd)  # closing the last descriptor drops the flock
 
 
+def lock_unusable(run_dir: Path, err: OSError, place: Place | None = None) -> str:
+    key, shown = place or Place.run(run_dir)
+    return (
+        f"{shown}: its lock file {LOCK} cannot be opened ({err.strerror}); remove it if no run "
+        f"uses that dir, or choose another {key}"
+    )
+
+
 def refuse_if_busy(run_dir: Path) -> None:
     """For the launcher: a run dir that another process holds is refused before torchrun starts."""
     path = run_dir / LOCK
     if not path.exists():
         return
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # as acquire() will open it
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -196,9 +225,10 @@ def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = Non
 def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:
     """Everything the launcher can tell before torchrun starts; `busy`: the lock too."""
     try:
-        if busy:
+        message = unusable(run_dir)
+        if message is None and busy:
             refuse_if_busy(run_dir)
-        return unusable(run_dir) or resume_problem(run_dir, config)
+        return message or resume_problem(run_dir, config)
     except RunDirError as err:
         return str(err)
 
@@ -211,13 +241,18 @@ class RunDirGuard(Callback):
         self.before: dict[Path, bytes] = {}  # a sweep's Hydra files as they were before it
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        message = empty(config.hydra.run.dir, RUN_KEY)
+        if message:
+            exit_with_error(f"config error: {message}")
         run_dir = Path(config.hydra.run.dir)
         guard(run_dir, config, Place.run(run_dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         # Hydra's launcher creates the sweep dir next: a file there would be a traceback.
-        message = unusable(sweep_dir, Place(SWEEP_KEY, f"{SWEEP_KEY}={sweep_dir}"))
+        message = empty(config.hydra.sweep.dir, SWEEP_KEY) or unusable(
+            sweep_dir, Place(SWEEP_KEY, f"{SWEEP_KEY}={sweep_dir}")
+        )
         if message:
             exit_with_error(f"config error: {message}")
         # Hydra writes each job's .hydra/ (and the sweep's multirun.yaml) before on_job_start: a
