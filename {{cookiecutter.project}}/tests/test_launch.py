@@ -30,6 +30,19 @@ from {{ cookiecutter.package }} import launch as launcher
 TORCHRUN = get_args_parser()
 
 
+@pytest.fixture(autouse=True)
+def launcher_state(monkeypatch):
+    """launch.main() in this process names the run and sizes the world in os.environ, and
+    installs signal handlers: all undone after each test."""
+    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
 def stderr_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
@@ -381,7 +394,6 @@ def test_a_stopped_launch_leaves_no_empty_run_dir(
 
 def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("DDP_RUN_NAME", raising=False)
     made = []
 
     def stopped(parsed):
@@ -412,12 +424,7 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
 
     monkeypatch.setattr(launcher.check, "load_or_exit", signalled)
     monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
     assert code == 128 + signum
     assert stderr_lines(capsys.readouterr().err) == [
         f"{launcher.COMMAND} train: stopped by {signal.Signals(signum).name}"

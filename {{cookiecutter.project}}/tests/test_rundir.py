@@ -4,6 +4,7 @@ can be written; each refusal one line, with nothing in the run dir changed."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,20 @@ from omegaconf import open_dict
 from {{ cookiecutter.package }} import check, checkpoint, rundir
 from {{ cookiecutter.package }} import launch as launcher
 from {{ cookiecutter.package }}.config import register_configs
+
+
+@pytest.fixture(autouse=True)
+def launcher_state(monkeypatch):
+    """launch.main() in this process names the run and sizes the world in os.environ, and
+    installs signal handlers: all undone after each test."""
+    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
 
 # One process per launch: what is checked here does not depend on the world size, and each
 # process saved is seconds of CPU.
