@@ -504,6 +504,25 @@ def test_the_evidence_of_a_kill_for_memory(monkeypatch):
     )
 
 
+def test_the_launcher_names_a_worker_killed_for_memory(tmp_path, monkeypatch, capsys):
+    """main() passes its memory watch to the summary: a SIGKILL while the kernel counted an OOM
+    kill is named as one."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.chdir(tmp_path)
+    counts = iter(range(100))
+    monkeypatch.setattr(launcher, "oom_kills", lambda: {"/proc/vmstat": next(counts)})
+
+    def killed(parsed):
+        raise ChildFailedError("train", {0: failure(0, -signal.SIGKILL, at=1)})
+
+    monkeypatch.setattr(launcher, "run", killed)
+    assert launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"]) == 137
+    assert stderr_lines(capsys.readouterr().err)[-1].startswith(
+        f"{launcher.COMMAND} train failed: rank 0 (pid 100) was killed for memory: "
+    )
+
+
 def test_the_memory_watch_sees_what_a_worker_holds():
     """The sampler, on a real child of this process that holds 200 MiB."""
     child = subprocess.Popen(
