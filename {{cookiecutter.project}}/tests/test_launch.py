@@ -432,6 +432,24 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_launcher_removes_only_empty_dirs_it_made_to_check(tmp_path, monkeypatch):
+    """With several nodes on one file system, another node's workers may write into the run dir
+    while this launcher checks it: what they wrote stays."""
+    monkeypatch.chdir(tmp_path)
+    real = launcher.rundir.problem
+
+    def another_node_writes(run_dir, config, busy=True):
+        found = real(run_dir, config, busy)
+        (run_dir / "train.log").write_text("node 1's line\n")
+        return found
+
+    monkeypatch.setattr(launcher.rundir, "problem", another_node_writes)
+    monkeypatch.setattr(launcher, "run", lambda parsed: None)
+    args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1"]
+    assert launcher.main(["train", *args, "hydra.run.dir=out/run"]) == 0
+    assert (tmp_path / "out" / "run" / "train.log").read_text() == "node 1's line\n"
+
+
 @pytest.mark.parametrize("after_s", [1.0, 2.0])  # importing, composing (a run: the workers stop)
 def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
     """Ctrl-C in the seconds torch and Hydra take to import gave an import traceback."""

@@ -284,6 +284,18 @@ def new_part(path: Path) -> Path:
     return path
 
 
+def remove_empty(path: Path, top: Path) -> None:
+    """path and its parents up to top, each if empty (this launch made them)."""
+    for folder in (path, *path.parents):
+        if not folder.is_relative_to(top):
+            return
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, gone, or a name that cannot exist
+            if rundir.present(folder):
+                return
+
+
 def of_value(run_dir: Path) -> bool:
     """Whether a run dir holds anything a run made: a checkpoint, or a metrics row."""
     rows = run_dir / "metrics.jsonl"
@@ -539,7 +551,7 @@ def launch(args: list[str]) -> int:
     # guard decides then.
     problem = rundir.problem(run_dir, config, busy=one_node) if run_dir else None
     if new:  # made to check it: the workers make it (a stop before they do leaves none)
-        shutil.rmtree(new, ignore_errors=True)
+        remove_empty(run_dir, new)  # empty only: another node's workers may be writing there
     if problem:
         exit_with_error(f"config error: {problem}")
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
@@ -553,10 +565,8 @@ def launch(args: list[str]) -> int:
         if new and one_node and run_dir.is_dir() and not of_value(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
             said += f" before any step was saved or logged; removed {run_dir}"
-        for parent in run_dir.parents if new else ():  # those the workers made for it, if empty
-            if not parent.is_relative_to(new) or not parent.is_dir() or any(parent.iterdir()):
-                break
-            parent.rmdir()
+        if new:  # outputs/ too, if this launch made it and nothing else is there
+            remove_empty(run_dir, new)
         return said
 
     with MemoryWatch(config, local_size) as memory:
