@@ -6,8 +6,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import (
@@ -19,12 +21,26 @@ from conftest import (
     wait_for_metrics,
     worker_pids,
 )
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
 from {{ cookiecutter.package }} import checkpoint
 from {{ cookiecutter.package }} import launch as launcher
 
 TORCHRUN = get_args_parser()
+
+
+@pytest.fixture(autouse=True)
+def launcher_state(monkeypatch):
+    """launch.main() in this process names the run and sizes the world in os.environ, and
+    installs signal handlers: all undone after each test."""
+    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def stderr_lines(stderr: str) -> list[str]:
@@ -63,6 +79,103 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith(line)
     assert out == "" and list(tmp_path.iterdir()) == []  # no run dir, no worker output
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node=0: must be a number of processes from 1 to"),
+        (["--nproc-per-node", "abc"], "--nproc-per-node=abc: must be a number of processes"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node=-1: must be a number of processes"),
+        (["--nproc-per-node="], "--nproc-per-node='': must be a number of processes"),
+        (["--nproc-per-node", "9" * 30], f"--nproc-per-node={'9' * 30}: must be a number"),
+        (["--nproc-per-node"], "--nproc-per-node: needs a value"),
+        (["--nnodes", "0"], "--nnodes=0: must be a number of nodes (1 or more), or MIN:MAX"),
+        (["--nnodes", "1:0"], "--nnodes=1:0: must be a number of nodes"),
+        (["--nnodes", "2:1"], "--nnodes=2:1: must be a number of nodes"),
+        (["--nnodes="], "--nnodes='': must be a number of nodes"),
+        (["--nnodes", "1:2:3"], "--nnodes=1:2:3: must be a number of nodes"),
+        (["--standalone", "--nnodes", "2"], "--nnodes=2: --standalone runs one node"),
+        (["--max-restarts", "-1"], "--max-restarts=-1: must be 0 or more"),
+        (["--max-restarts", "x"], "--max-restarts='x': must be a whole number"),
+        (["--node-rank", "-1"], "--node-rank=-1: must be from 0 to 0"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank=2: must be from 0 to 1"),
+        (["--rdzv-backend", "zk"], "--rdzv-backend=zk: no such backend; allowed: c10d,"),
+        (["--rdzv-endpoint", "host:port"], "--rdzv-endpoint=host:port: must be HOST or HOST:PORT"),
+        (["--rdzv-endpoint", "host:70000"], "--rdzv-endpoint=host:70000: must be HOST or"),
+        (["--rdzv-conf", "=1"], "--rdzv-conf==1: must be KEY=VALUE pairs"),
+        (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf=join_timeout=soon: must be KEY=VALUE"),
+        (
+            ["--monitor-interval", "0"],
+            "--monitor-interval=0.0: must be a number of seconds above 0",
+        ),
+        (["--monitor-interval", "nan"], "--monitor-interval=nan: must be a number of seconds"),
+        (["--master-port", "0"], "--master-port=0: must be a port, 1 to 65535"),
+        (["-r", "9"], "--redirects=9: must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (["--local-ranks-filter", "a"], "--local-ranks-filter=a: must be local ranks"),
+        (["--start-method", "x"], "--start-method: invalid choice: 'x'"),
+    ],
+)
+def test_a_torchrun_option_that_cannot_work_is_one_line_naming_it(
+    tmp_path, monkeypatch, capsys, args, line
+):
+    """Each of these gave torchrun's ZeroDivisionError, ValueError, AssertionError or argparse's
+    usage block, or a world of -1 processes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    code = launcher.main(["train", *args])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert stderr_lines(err) == [stderr_lines(err)[0]] and err.startswith(
+        f"{launcher.COMMAND} train: {line}"
+    ), err
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_an_option_from_the_environment_is_named_by_its_variable(tmp_path, monkeypatch, capsys):
+    """Operators pass torchrun its options in PET_* variables: the line names the variable."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "0")
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    assert launcher.main(["train"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"{launcher.COMMAND} train: PET_NPROC_PER_NODE=0: must be a number of processes"
+    )
+
+
+@pytest.mark.parametrize("quoted", ["'run dir'", '"run dir"'])
+def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, capsys, quoted):
+    """The launcher checked (and created) `'run dir'`, quotes and all, where the workers use
+    `run dir`: here a file, which it must refuse."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run dir").write_text("not a dir")
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["train", "--nproc-per-node", "1", f"hydra.run.dir={quoted}"])
+    assert stop.value.code == 2
+    assert stderr_lines(capsys.readouterr().err) == [
+        "config error: hydra.run.dir=run dir: is a file, not a directory; choose another "
+        "hydra.run.dir"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["run dir"]  # no `'run dir'` beside it
+
+
+@pytest.mark.parametrize(
+    ("override", "run_dir"),
+    [
+        ("hydra.run.dir='a b'", "a b"),
+        ('hydra.run.dir="/tmp/x"', "/tmp/x"),
+        ("++hydra.run.dir=run", "run"),
+        (r"hydra.run.dir=a\,b", "a,b"),  # Hydra's escape
+        ("hydra.run.dir=${oc.env:HOME}/run", None),  # the workers resolve it
+        ("trainer.lr=0.1", None),
+    ],
+)
+def test_the_run_dir_of_a_multi_node_launch_is_read_as_hydra_reads_it(override, run_dir):
+    """With several nodes the launcher cannot compose the default dir's name; it checks an
+    explicit one, which it read quotes and all."""
+    found = launcher.explicit_run_dir(["trainer.max_steps=3", override])
+    assert found == (Path(run_dir) if run_dir else None)
 
 
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():
@@ -188,3 +301,266 @@ def test_the_summary_blames_the_cause_not_its_consequences():
         "train", {0: failure(0, -signal.SIGTERM, at=1), 1: failure(1, 4, at=2)}
     )
     assert launcher.summary(diverged)[1] == 4
+
+
+def failure(rank: int, code: int, at: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    made = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+    made.timestamp = at
+    return made
+
+
+@pytest.mark.parametrize("codes", [(130, 130), (-signal.SIGINT, 130), (143, -signal.SIGTERM)])
+def test_workers_that_were_stopped_are_not_blamed(codes):
+    """Ctrl-C reaches every process of the group: workers that stopped (with a checkpoint) before
+    torchrun saw the signal are no rank's failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    err = ChildFailedError("train", {i: failure(i, code, at=i) for i, code in enumerate(codes)})
+    line, code = launcher.summary(err)
+    name = signal.Signals(abs(codes[0]) % 128).name
+    assert (line, code) == (f"stopped by {name}", 128 + abs(codes[0]) % 128)
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        lambda: SignalException("SIGINT", signal.SIGINT),
+        KeyboardInterrupt,  # before torchrun's handler is in place: its rendezvous, say
+    ],
+    ids=["in torchrun", "before torchrun"],
+)
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys, stop):
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(parsed):
+        raise stop()
+
+    monkeypatch.setattr(launcher, "run", interrupted)
+    code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
+    assert code == 130
+    assert stderr_lines(capsys.readouterr().err)[-1].startswith(
+        f"{launcher.COMMAND} train: stopped by SIGINT"
+    )
+
+
+def workers_wrote(run_dir: Path, rows: bool = False, saved: bool = False) -> None:
+    """What the workers leave in a run dir before their first step: Hydra's files, an empty
+    log and metrics file; with `rows`/`saved`, a logged step and a checkpoint."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("trainer: {}\n")
+    (run_dir / "train.log").write_text("")
+    (run_dir / "metrics.jsonl").write_text('{"step": 5}\n' if rows else "")
+    if saved:
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "step_000000005.pt").write_bytes(b"x")
+
+
+@pytest.mark.parametrize(
+    ("existed", "rows", "saved", "kept"),
+    [
+        (False, False, False, False),  # made by this launch, nothing in it: removed
+        (False, True, False, True),  # a logged step
+        (False, False, True, True),  # a checkpoint
+        (True, False, False, True),  # the user's dir: never removed
+    ],
+)
+def test_a_stopped_launch_leaves_no_empty_run_dir(
+    tmp_path, monkeypatch, capsys, existed, rows, saved, kept
+):
+    """SIGTERM seconds after a launch left a run dir with Hydra's files alone."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    if existed:
+        run_dir.mkdir()
+
+    def stopped(parsed):
+        workers_wrote(run_dir, rows, saved)
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"]) == 143
+    line = stderr_lines(capsys.readouterr().err)[-1]
+    assert run_dir.exists() == kept
+    if kept:
+        assert line == f"{launcher.COMMAND} train: stopped by SIGTERM"
+    else:
+        assert line == (
+            f"{launcher.COMMAND} train: stopped by SIGTERM before any step was saved or logged; "
+            "removed run"
+        )
+
+
+def test_the_default_run_dir_of_a_stopped_launch_goes_too(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    made = []
+
+    def stopped(parsed):
+        assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").iterdir())
+        run_dir = tmp_path / "outputs" / os.environ["DDP_RUN_NAME"]  # the launcher named it
+        made.append(run_dir)
+        workers_wrote(run_dir)
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
+    assert made and list(tmp_path.iterdir()) == []  # outputs/ too: this launch made it
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
+    tmp_path, monkeypatch, capsys, signum
+):
+    """SIGTERM while the launcher composed the config killed it silently (exit -15), leaving
+    the run dir it had made to check it."""
+    monkeypatch.chdir(tmp_path)
+    real = launcher.check.load_or_exit
+
+    def signalled(overrides):
+        config = real(overrides)
+        os.kill(os.getpid(), signum)  # the handler raises here, as at any point of the check
+        return config
+
+    monkeypatch.setattr(launcher.check, "load_or_exit", signalled)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
+    assert code == 128 + signum
+    assert stderr_lines(capsys.readouterr().err) == [
+        f"{launcher.COMMAND} train: stopped by {signal.Signals(signum).name}"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_launcher_removes_only_empty_dirs_it_made_to_check(tmp_path, monkeypatch):
+    """With several nodes on one file system, another node's workers may write into the run dir
+    while this launcher checks it: what they wrote stays."""
+    monkeypatch.chdir(tmp_path)
+    real = launcher.rundir.problem
+
+    def another_node_writes(run_dir, config, busy=True):
+        found = real(run_dir, config, busy)
+        (run_dir / "train.log").write_text("node 1's line\n")
+        return found
+
+    monkeypatch.setattr(launcher.rundir, "problem", another_node_writes)
+    monkeypatch.setattr(launcher, "run", lambda parsed: None)
+    args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1"]
+    assert launcher.main(["train", *args, "hydra.run.dir=out/run"]) == 0
+    assert (tmp_path / "out" / "run" / "train.log").read_text() == "node 1's line\n"
+
+
+@pytest.mark.parametrize("after_s", [1.0, 2.0])  # importing, composing (a run: the workers stop)
+def test_ctrl_c_while_the_launcher_starts_is_one_line(tmp_path, after_s):
+    """Ctrl-C in the seconds torch and Hydra take to import gave an import traceback."""
+    process = subprocess.Popen(
+        launch_command("--nproc-per-node", "1", "hydra.run.dir=run"), cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(after_s)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert stderr_lines(err)[-1] == f"{launcher.COMMAND} train: stopped by SIGINT"
+    assert "Traceback" not in err
+
+
+def test_a_stop_before_the_workers_made_the_default_run_dir_leaves_no_outputs_dir(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+
+    def stopped(parsed):
+        assert list(tmp_path.iterdir()) == []  # the launcher made outputs/<run> to check it
+        raise SignalException("SIGTERM", signal.SIGTERM)
+
+    monkeypatch.setattr(launcher, "run", stopped)
+    assert launcher.main(["train", "--nproc-per-node", "1"]) == 143
+    assert list(tmp_path.iterdir()) == []
+
+
+GIB = 2**30
+
+
+def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_setting():
+    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    line = launcher.memory_line(
+        0, 41, held=int(11.8 * GIB), total=int(23.5 * GIB), limit=(24 * GIB, "this machine has"),
+        evidence=True, config=config, local_size=2,
+    )  # fmt: skip
+    assert line == (
+        "rank 0 (pid 41) was killed for memory: it held 11.8 GiB (this node's 2 processes "
+        "23.5 GiB) of the 24.0 GiB this machine has; try data.batch_size=4 or --nproc-per-node 1"
+    )
+    one = launcher.memory_line(
+        1, 42, held=None, total=None, limit=(GIB // 2, "its cgroup (container) allows"),
+        evidence=True, config=SimpleNamespace(data=SimpleNamespace(batch_size=1)), local_size=1,
+    )  # fmt: skip
+    assert one == "rank 1 (pid 42) was killed for memory: its cgroup (container) allows 0.5 GiB"
+    # without evidence, a SIGKILL is a SIGKILL: no claim about memory
+    assert launcher.memory_line(0, 41, GIB, GIB, (24 * GIB, "x"), False, config, 2) is None
+
+
+def test_the_evidence_of_a_kill_for_memory(monkeypatch):
+    """A SIGKILL counts as one for memory when the kernel counted an OOM kill during the run, or
+    when the workers held 90% of the limit when last seen; otherwise it is not."""
+    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    counts = {"/proc/vmstat": 3}
+    monkeypatch.setattr(launcher, "oom_kills", lambda: dict(counts))
+    monkeypatch.setattr(launcher, "memory_limit", lambda: (10 * GIB, "this machine has"))
+    watch = launcher.MemoryWatch(config, local_size=2)
+    watch.last, watch.total_with = {41: 4 * GIB}, {41: 8 * GIB}
+    assert watch.verdict(0, 41) is None  # 80% of the limit, no kill counted
+    watch.total_with[41] = 9 * GIB
+    assert watch.verdict(0, 41).startswith("rank 0 (pid 41) was killed for memory: it held 4.0")
+    watch.total_with[41] = GIB
+    counts["/proc/vmstat"] = 4  # the kernel's OOM killer struck during the run
+    assert "killed for memory" in watch.verdict(0, 41)
+    assert watch.verdict(1, 99) == (
+        "rank 1 (pid 99) was killed for memory: this machine has 10.0 GiB; try "
+        "data.batch_size=4 or --nproc-per-node 1"
+    )
+
+
+def test_the_launcher_names_a_worker_killed_for_memory(tmp_path, monkeypatch, capsys):
+    """main() passes its memory watch to the summary: a SIGKILL while the kernel counted an OOM
+    kill is named as one."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.chdir(tmp_path)
+    counts = iter(range(100))
+    monkeypatch.setattr(launcher, "oom_kills", lambda: {"/proc/vmstat": next(counts)})
+
+    def killed(parsed):
+        raise ChildFailedError("train", {0: failure(0, -signal.SIGKILL, at=1)})
+
+    monkeypatch.setattr(launcher, "run", killed)
+    assert launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"]) == 137
+    assert stderr_lines(capsys.readouterr().err)[-1].startswith(
+        f"{launcher.COMMAND} train failed: rank 0 (pid 100) was killed for memory: "
+    )
+
+
+def test_the_memory_watch_sees_what_a_worker_holds():
+    """The sampler, on a real child of this process that holds 200 MiB."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * "
+         "len(b[::4096]); print(flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        child.stdout.readline()  # allocated
+        watch = launcher.MemoryWatch(SimpleNamespace(), local_size=1)
+        watch.sample()
+        assert watch.last[child.pid] >= 200 * 2**20
+        assert watch.total_with[child.pid] >= watch.last[child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_kernels_counts_and_limits_are_readable_here():
+    """Linux: /proc/vmstat counts OOM kills; /proc/meminfo (or a cgroup) gives the limit."""
+    assert "/proc/vmstat" in launcher.oom_kills()
+    limit, what = launcher.memory_limit()
+    assert limit > 2**27 and what in ("this machine has", "its cgroup (container) allows")

@@ -4,12 +4,34 @@ can be written; each refusal one line, with nothing in the run dir changed."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 
 import conftest
 import pytest
 from conftest import PACKAGE, launch_command, read_metrics, shared_folder, wait_for_metrics
+from hydra import compose, initialize_config_module
+from omegaconf import open_dict
+
+from {{ cookiecutter.package }} import check, checkpoint, rundir
+from {{ cookiecutter.package }} import launch as launcher
+from {{ cookiecutter.package }}.config import register_configs
+
+
+@pytest.fixture(autouse=True)
+def launcher_state(monkeypatch):
+    """launch.main() in this process names the run and sizes the world in os.environ, and
+    installs signal handlers: all undone after each test."""
+    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
 
 # One process per launch: what is checked here does not depend on the world size, and each
 # process saved is seconds of CPU.
@@ -175,3 +197,238 @@ def test_an_unusable_run_dir_is_one_line(tmp_path, make, message):
         assert f"{PACKAGE}/" not in done.stderr  # no traceback through the project's code
     if os.geteuid() != 0:
         assert not (tmp_path / "outputs").exists()
+
+
+def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_starts(
+    trained, monkeypatch, capsys
+):
+    """trainer.max_steps=5 on a run at step 10 ended at once, looking resumed. In this process:
+    the launcher refuses it before torchrun starts."""
+    monkeypatch.chdir(trained)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    before = snapshot(trained / "run")
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(
+            ["train", "--nproc-per-node", "1", "trainer.max_steps=5", "hydra.run.dir=run"]
+        )
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config error: trainer.max_steps=5 is below step 10 of the checkpoint in run "
+        "(step_000000010.pt): raise trainer.max_steps, or choose another hydra.run.dir"
+    ]
+    assert snapshot(trained / "run") == before
+
+
+def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
+    """A finished run relaunched as it was (a Job's pod restarted after the end) is no error."""
+    assert (
+        rundir.resume_problem(trained / "run", check.load_config(["trainer.max_steps=10"])) is None
+    )
+    assert "below step 10" in rundir.resume_problem(
+        trained / "run", check.load_config(["trainer.max_steps=9"])
+    )
+
+
+def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
+    """In this process: the launcher's own check, before any worker's."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+         f"rundir.acquire(Path({str(tmp_path / 'run')!r})); print(flush=True); "
+         "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    (tmp_path / "run").mkdir()
+    try:
+        holder.stdout.readline()
+        problem = rundir.problem(tmp_path / "run", check.load_config([]))
+        free = rundir.problem(tmp_path / "run", check.load_config([]), busy=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert problem.startswith(f"hydra.run.dir={tmp_path / 'run'}: in use by pid {holder.pid}")
+    assert free is None  # several nodes: the workers' guard decides
+    assert rundir.problem(tmp_path / "run", check.load_config([])) is None  # its holder is gone
+
+
+@pytest.mark.parametrize(
+    ("entries", "line"),
+    [
+        ("[nope]", "trainer.accept_changes: nope is no key of the config; allowed: a group (model,"),
+        ("[trainer.lrr]", "trainer.accept_changes: trainer.lrr is no key of the config; did you mean trainer.lr?"),
+        ("['']", "trainer.accept_changes: '' is no key of the config;"),
+    ],
+)  # fmt: skip
+def test_an_accept_list_naming_no_key_is_refused_without_a_checkpoint_too(entries, line):
+    assert check.config_problem([f"trainer.accept_changes={entries}"]).startswith(line)
+
+
+@pytest.mark.parametrize(
+    "entries", ["[trainer.lr]", "[model]", "[model.n_layer,data]", "[nccl.env]"]
+)
+def test_accept_changes_takes_keys_and_groups_of_the_schema(entries):
+    """A group accepts each key in it; model.n_layer is a key of model=gpt, for a resume that
+    switches from model=mlp."""
+    assert check.config_problem([f"trainer.accept_changes={entries}"]) is None
+
+
+def test_an_accepted_group_accepts_each_key_in_it(trained):
+    saved = checkpoint.read(checkpoint.checkpoint_paths(trained / "run")[-1])["config"]
+    config = check.load_config(["trainer.seed=1", "trainer.lr=0.1"])
+    assert [key for key, _, _ in rundir.changes_on_resume(saved, config)] == [
+        "trainer.lr",
+        "trainer.seed",
+    ]
+    config.trainer.accept_changes = ["trainer"]
+    assert rundir.changes_on_resume(saved, config) == []
+
+
+def sweep_command(*overrides: str) -> list[str]:
+    """`python -m <package>.train -m ...`: Hydra's sweep, one process, no torchrun."""
+    return [sys.executable, "-m", f"{PACKAGE}.train", "-m", *overrides]
+
+
+def sweep(cwd, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        sweep_command("experiment=smoke", "trainer.checkpoint_every=5", "hydra.sweep.dir=sweep",
+                      *overrides),  # fmt: skip
+        cwd=cwd, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def swept(request):
+    """A sweep of one job, 5 steps with a checkpoint, in sweep/0."""
+    cwd = shared_folder(request)
+    done = sweep(cwd, "trainer.lr=0.001", "trainer.max_steps=5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (cwd / "sweep" / "0" / "checkpoints" / "step_000000005.pt").exists()
+    return cwd
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_that_would_change_results_is_refused_like_a_run(swept, tmp_path):
+    """The second sweep resumed from the first's checkpoints under another config, silently."""
+    shutil.copytree(swept / "sweep", tmp_path / "sweep")
+    before = snapshot(tmp_path / "sweep")
+    done = sweep(tmp_path, "trainer.lr=0.5", "data.batch_size=64", "trainer.max_steps=12")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("[")]  # Hydra's
+    assert lines == [
+        f"config error: hydra.sweep.dir=sweep job 0 ({tmp_path / 'sweep' / '0'}) resumes from "
+        "step_000000005.pt, written with another config: data.batch_size 128 -> 64, trainer.lr "
+        "0.001 -> 0.5. These change results; to continue anyway add "
+        "trainer.accept_changes=[data.batch_size,trainer.lr], or choose another hydra.sweep.dir"
+    ]
+    assert snapshot(tmp_path / "sweep") == before  # Hydra's files of the job dir put back
+
+
+def sweep_job_config(sweep_dir, job: int):
+    """The config Hydra hands a sweep's job to its callbacks (hydra.runtime set as run_job sets it)."""
+    register_configs()
+    with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
+        cfg = compose(
+            config_name="train", return_hydra_config=True,
+            overrides=[f"hydra.sweep.dir={sweep_dir}", "hydra.mode=MULTIRUN"],
+        )  # fmt: skip
+    with open_dict(cfg):
+        cfg.hydra.job.num = job
+        cfg.hydra.runtime.output_dir = str(sweep_dir / str(job))
+    return cfg
+
+
+def test_a_sweep_job_holds_its_dirs_lock_while_it_runs(tmp_path, capsys):
+    """In this process: the guard's job hooks as Hydra calls them (the sweep tests above show
+    that it does). Job 0 holds sweep/0 until it ends; another process is refused meanwhile."""
+    guard = rundir.RunDirGuard()
+    config = sweep_job_config(tmp_path / "sweep", 0)
+    guard.on_multirun_start(config)
+    guard.on_job_start(config)
+    other = subprocess.run(
+        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+         f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r}), wait_s=0)"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert other.returncode != 0 and f"in use by pid {os.getpid()}" in other.stderr
+    guard.on_job_end(config)  # the next job, or another sweep, may use it now
+    assert tmp_path / "sweep" / "0" not in rundir._held
+    guard.on_job_start(config)  # and this process can take it again
+    guard.on_job_end(config)
+
+
+def test_a_sweep_job_whose_dir_is_in_use_is_refused(tmp_path, capsys):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+         f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r})); print(flush=True); "
+         "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    (tmp_path / "sweep" / "0").mkdir(parents=True)
+    try:
+        holder.stdout.readline()  # it holds the lock
+        config = sweep_job_config(tmp_path / "sweep", 0)
+        with pytest.raises(SystemExit) as stop:
+            rundir.RunDirGuard().on_job_start(config)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        f"config error: hydra.sweep.dir={tmp_path / 'sweep'} job 0 ({tmp_path / 'sweep' / '0'}): "
+        f"in use by pid {holder.pid}"
+    )
+
+
+def test_a_sweep_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "sweep").write_text("x")
+    with pytest.raises(SystemExit) as stop:
+        rundir.RunDirGuard().on_multirun_start(sweep_job_config(tmp_path / "sweep", 0))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: hydra.sweep.dir={tmp_path / 'sweep'}: is a file, not a directory; choose "
+        "another hydra.sweep.dir\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "override", "line"),
+    [
+        (
+            lambda tmp: (tmp / "run" / ".lock").mkdir(parents=True),
+            "hydra.run.dir=run",
+            "config error: hydra.run.dir=run: its lock file .lock cannot be opened (Is a "
+            "directory); remove it if no run uses that dir, or choose another hydra.run.dir",
+        ),
+        (
+            lambda tmp: None,
+            "hydra.run.dir=''",  # Hydra reads it as ".": the run would write into the launch dir
+            "config error: hydra.run.dir='': empty; name a directory, or leave hydra.run.dir out "
+            "for a new one under outputs/",
+        ),
+        (
+            lambda tmp: None,
+            f"hydra.run.dir={'x' * 300}",
+            f"config error: hydra.run.dir={'x' * 300}: cannot be created (File name too long)",
+        ),
+    ],
+    ids=["lock is a dir", "empty", "name too long"],
+)
+def test_a_hostile_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, override, line):
+    """Each gave a traceback (IsADirectoryError, OSError) or ran in the launch dir itself."""
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["train", "--nproc-per-node", "1", override])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
+    """torchrun without the launcher: the guard's own line, not IsADirectoryError."""
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        rundir.guard(tmp_path / "run", None, rundir.Place.run(tmp_path / "run"))
+    assert stop.value.code == 2
+    assert "its lock file .lock cannot be opened (Is a directory)" in capsys.readouterr().err

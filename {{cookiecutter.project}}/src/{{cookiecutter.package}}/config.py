@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -631,7 +632,39 @@ def to_train_config(
         check_devices(config, world)
     check_data(config, world, held_out)
     check_combinations(config)
+    check_accept_changes(config)
     return config
+
+
+def config_keys(node: Any, prefix: str = "") -> set[str]:
+    """Every group and leaf of a config, dotted: model, model.hidden_dim, ..."""
+    if dataclasses.is_dataclass(node):
+        children = {f.name: getattr(node, f.name, None) for f in fields(node)}
+    elif isinstance(node, dict):
+        children = node
+    else:
+        return set()
+    keys = set()
+    for name, child in children.items():
+        keys |= {f"{prefix}{name}"} | config_keys(child, f"{prefix}{name}.")
+    return keys
+
+
+def check_accept_changes(config: TrainConfig) -> None:
+    """trainer.accept_changes names keys a resume may change: each must be a group or a key of
+    this config, or of another option of its groups (a resume that switches model=...)."""
+    known = config_keys(config) | {
+        f"{group}.{f.name}" for group, schemas in OPTION_SCHEMAS.items() for s in schemas for f in fields(s)
+    }  # fmt: skip
+    for entry in config.trainer.accept_changes:
+        if entry not in known:
+            close = difflib.get_close_matches(entry, sorted(known), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(
+                f"trainer.accept_changes: {entry or repr(entry)} is no key of the config; {hint}"
+                "allowed: a group "
+                f"({', '.join(f.name for f in fields(TrainConfig))}) or a key in one, e.g. trainer.lr"
+            )
 
 
 # Groups whose options have schemas of their own; a saved config names none, its keys tell.

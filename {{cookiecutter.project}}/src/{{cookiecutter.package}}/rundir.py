@@ -2,23 +2,27 @@
 that can be written. Checked before anything is written there, in one line each.
 
 RunDirGuard runs as a Hydra callback (configs/train.yaml) in every worker, before Hydra creates
-the dir; the launcher (`{{ cookiecutter.project }} train`) runs the same checks before torchrun starts.
+the dir; in a sweep (-m), for each job's dir, as the job starts. The launcher
+(`{{ cookiecutter.project }} train`) runs the same checks before torchrun starts.
 Global rank 0 holds an exclusive lock on `<run dir>/.lock` for the life of its process: the
 kernel drops it when the process ends, however it ends, so a dead run's lock is taken over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package }} import checkpoint
@@ -43,16 +47,47 @@ class RunDirError(ConfigError):
     """The run dir cannot be used for this run; the message is the one line to print."""
 
 
-def unusable(run_dir: Path) -> str | None:
+RUN_KEY = "hydra.run.dir"
+SWEEP_KEY = "hydra.sweep.dir"  # a sweep's jobs run in <hydra.sweep.dir>/<hydra.sweep.subdir>
+
+
+class Place(NamedTuple):
+    """How a message names the dir: the key that chose it, and the dir as the user knows it."""
+
+    key: str
+    shown: str
+
+    @classmethod
+    def run(cls, run_dir: Path) -> Place:
+        return cls(RUN_KEY, f"{RUN_KEY}={run_dir}")
+
+
+def empty(value: object, key: str) -> str | None:
+    """An empty dir value would run in the launch directory itself (Hydra reads it as .)."""
+    if str(value).strip():
+        return None
+    return f"{key}='': empty; name a directory, or leave {key} out for a new one under outputs/"
+
+
+def present(path: Path) -> bool:
+    """Path.exists(), False where the name cannot exist (too long: unusable() says so)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def unusable(run_dir: Path, place: Place | None = None) -> str | None:
     """Why this process cannot create and write the run dir, or None."""
-    if run_dir.exists() and not run_dir.is_dir():
-        return f"hydra.run.dir={run_dir}: is a file, not a directory; choose another hydra.run.dir"
+    key, shown = place or Place.run(run_dir)
+    if present(run_dir) and not run_dir.is_dir():
+        return f"{shown}: is a file, not a directory; choose another {key}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"hydra.run.dir={run_dir}: cannot be created ({err.strerror})"
+        return f"{shown}: cannot be created ({err.strerror})"
     if not os.access(run_dir, os.W_OK | os.X_OK):
-        return f"hydra.run.dir={run_dir}: not writable by this user"
+        return f"{shown}: not writable by this user"
     return None
 
 
@@ -63,11 +98,12 @@ def holder(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def busy_message(run_dir: Path, who: dict[str, Any]) -> str:
+def busy_message(run_dir: Path, who: dict[str, Any], place: Place | None = None) -> str:
+    key, shown = place or Place.run(run_dir)
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who.get("since", 0)))
     return (
-        f"hydra.run.dir={run_dir}: in use by pid {who.get('pid', '?')} on {who.get('host', '?')} "
-        f"since {since}; wait for that run to end, or choose another hydra.run.dir"
+        f"{shown}: in use by pid {who.get('pid', '?')} on {who.get('host', '?')} "
+        f"since {since}; wait for that run to end, or choose another {key}"
     )
 
 
@@ -75,12 +111,17 @@ def alive_here(who: dict[str, Any]) -> bool:
     return who.get("host") == socket.gethostname() and Path(f"/proc/{who.get('pid')}").exists()
 
 
-def acquire(run_dir: Path, wait_s: float = REMOTE_HOLDER_WAIT_S) -> None:
-    """Hold the run dir's lock until this process ends. A holder on this host is refused at once;
-    one on another host is waited for up to wait_s."""
+def acquire(
+    run_dir: Path, wait_s: float = REMOTE_HOLDER_WAIT_S, place: Place | None = None
+) -> None:
+    """Hold the run dir's lock until this process ends (or release()). A holder on this host is
+    refused at once; one on another host is waited for up to wait_s."""
     if run_dir in _held:
         return
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err, place)) from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -90,7 +131,7 @@ def acquire(run_dir: Path, wait_s: float = REMOTE_HOLDER_WAIT_S) -> None:
             who = holder(run_dir)
             if alive_here(who) or time.monotonic() > deadline:
                 os.close(fd)
-                raise RunDirError(busy_message(run_dir, who)) from None
+                raise RunDirError(busy_message(run_dir, who, place)) from None
             time.sleep(1)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
           "command": " ".join(sys.argv)[:300]}  # fmt: skip
@@ -99,12 +140,30 @@ def acquire(run_dir: Path, wait_s: float = REMOTE_HOLDER_WAIT_S) -> None:
     _held[run_dir] = fd
 
 
+def release(run_dir: Path) -> None:
+    """Let go of the lock that acquire() took: a sweep's job that ended, while its sweep goes on."""
+    fd = _held.pop(run_dir, None)
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor drops the flock
+
+
+def lock_unusable(run_dir: Path, err: OSError, place: Place | None = None) -> str:
+    key, shown = place or Place.run(run_dir)
+    return (
+        f"{shown}: its lock file {LOCK} cannot be opened ({err.strerror}); remove it if no run "
+        f"uses that dir, or choose another {key}"
+    )
+
+
 def refuse_if_busy(run_dir: Path) -> None:
     """For the launcher: a run dir that another process holds is refused before torchrun starts."""
     path = run_dir / LOCK
     if not path.exists():
         return
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # as acquire() will open it
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -126,61 +185,124 @@ def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[
     those that trainer.accept_changes names."""
     now = flat(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
     before = flat(saved)
-    accepted = set(config.trainer.accept_changes)
-    unknown = sorted(accepted - now.keys())
-    if unknown:
-        raise RunDirError(
-            f"trainer.accept_changes: {', '.join(unknown)} is no key of the config; name keys "
-            "such as trainer.lr or data.batch_size"
-        )
+    accepted = tuple(config.trainer.accept_changes)  # keys, or groups (config.check_accept_changes)
     return [
         (key, before.get(key, "(absent)"), now.get(key, "(absent)"))
         for key in sorted(before.keys() | now.keys())
         if before.get(key) != now.get(key)
         and not key.startswith(FREE_ON_RESUME)
-        and key not in accepted
+        and not any(key == name or key.startswith(f"{name}.") for name in accepted)
     ]
 
 
-def resume_problem(run_dir: Path, config: TrainConfig) -> str | None:
-    """A resume whose config would change results, as one line, or None."""
+def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = None) -> str | None:
+    """A resume whose config would change results, or that would train no step, as one line,
+    or None."""
+    key, shown = place or Place.run(run_dir)
     found = checkpoint.newest_readable(run_dir, mmap=True)
     if found is None:
         return None
     path, state = found
+    step = checkpoint.step_of(path)
+    if config.trainer.max_steps < step:  # the loop would end at once, the run looking resumed
+        return (
+            f"trainer.max_steps={config.trainer.max_steps} is below step {step} of the "
+            f"checkpoint in {run_dir} ({path.name}): raise trainer.max_steps, or choose another "
+            f"{key}"
+        )
     changes = changes_on_resume(state.get("config", {}), config)
     if not changes:
         return None
-    listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
-    keys = ",".join(key for key, _, _ in changes)
+    listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changes)
+    keys = ",".join(name for name, _, _ in changes)
     return (
-        f"hydra.run.dir={run_dir} resumes from {path.name}, written with another config: {listed}. "
+        f"{shown} resumes from {path.name}, written with another config: {listed}. "
         f"These change results; to continue anyway add trainer.accept_changes=[{keys}], or choose "
-        "another hydra.run.dir"
+        f"another {key}"
     )
 
 
 def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:
     """Everything the launcher can tell before torchrun starts; `busy`: the lock too."""
     try:
-        if busy:
+        message = unusable(run_dir)
+        if message is None and busy:
             refuse_if_busy(run_dir)
-        return unusable(run_dir) or resume_problem(run_dir, config)
+        return message or resume_problem(run_dir, config)
     except RunDirError as err:
         return str(err)
 
 
 class RunDirGuard(Callback):
-    """Hydra calls this after composing the config, before it creates the run dir."""
+    """Hydra calls this after composing the config: for a run before it creates the run dir; for
+    each job of a sweep (-m) as that job starts, in the dir Hydra made for it."""
+
+    def __init__(self) -> None:
+        self.before: dict[Path, bytes] = {}  # a sweep's Hydra files as they were before it
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        run_dir = Path(config.hydra.run.dir)
-        message = unusable(run_dir)  # every rank: Hydra creates the dir in each
-        if message is None and World.from_env().main:
-            try:
-                acquire(run_dir)
-                message = resume_problem(run_dir, typed(config))
-            except RunDirError as err:
-                message = str(err)
+        message = empty(config.hydra.run.dir, RUN_KEY)
         if message:
             exit_with_error(f"config error: {message}")
+        run_dir = Path(config.hydra.run.dir)
+        guard(run_dir, config, Place.run(run_dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        # Hydra's launcher creates the sweep dir next: a file there would be a traceback.
+        message = empty(config.hydra.sweep.dir, SWEEP_KEY) or unusable(
+            sweep_dir, Place(SWEEP_KEY, f"{SWEEP_KEY}={sweep_dir}")
+        )
+        if message:
+            exit_with_error(f"config error: {message}")
+        # Hydra writes each job's .hydra/ (and the sweep's multirun.yaml) before on_job_start: a
+        # job refused there puts back what an earlier sweep left.
+        for pattern in ("multirun.yaml", "*/.hydra/*", "*/*/.hydra/*"):
+            for path in sweep_dir.glob(pattern):
+                with contextlib.suppress(OSError):
+                    self.before[path.resolve()] = path.read_bytes()
+
+    def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:  # a run's own dir was guarded on_run_start
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        sweep = f"{SWEEP_KEY}={config.hydra.sweep.dir}"
+        place = Place(SWEEP_KEY, f"{sweep} job {config.hydra.job.num} ({job_dir})")
+        guard(job_dir, config, place, refused=lambda: self.put_back(config))
+
+    def on_job_end(self, config: DictConfig, **kwargs: object) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:  # the sweep's next job has a dir of its own
+            release(Path(config.hydra.runtime.output_dir))
+
+    def put_back(self, config: DictConfig) -> None:
+        """The Hydra files of a refused job's dir as they were; the sweep's multirun.yaml too."""
+        written = [Path(config.hydra.sweep.dir) / "multirun.yaml"]
+        if config.hydra.output_subdir is not None:
+            hydra_dir = Path(config.hydra.runtime.output_dir) / config.hydra.output_subdir
+            written += [hydra_dir / name for name in HYDRA_FILES]
+        for path in written:
+            old = self.before.get(path.resolve())
+            with contextlib.suppress(OSError):
+                if old is not None:
+                    path.write_bytes(old)
+                elif path.name != "multirun.yaml":  # this sweep's own: its other jobs need it
+                    path.unlink(missing_ok=True)
+
+
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra's run_job saves
+
+
+def guard(
+    run_dir: Path, config: DictConfig, place: Place, refused: Callable[[], None] = lambda: None
+) -> None:
+    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check."""
+    message = unusable(run_dir, place)  # every rank: Hydra creates the dir in each
+    if message is None and World.from_env().main:
+        try:
+            acquire(run_dir, place=place)
+            message = resume_problem(run_dir, typed(config), place)
+        except RunDirError as err:
+            message = str(err)
+    if message:
+        refused()
+        exit_with_error(f"config error: {message}")
