@@ -71,13 +71,14 @@ MEANING = {
     check.EXIT_CONFIG_ERROR: "a config error, printed above",
     3: "a collective failed: the block above says why",
     4: "training diverged: the line above says what to do",
+    5: "a checkpoint could not be written: the line above says why",
     128 + signal.SIGINT: "stopped by SIGINT after a checkpoint",
     128 + signal.SIGTERM: "stopped by SIGTERM after a checkpoint",
 }
 # Exits of a process that was asked to stop (Ctrl-C, SIGTERM): no failure of its own.
 STOPPED = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
-# Exits whose one line the worker printed itself: a config error, a divergence.
-SAID_ALREADY = {check.EXIT_CONFIG_ERROR, 4}
+# Exits whose one line the worker printed itself: a config error, a divergence, a failed write.
+SAID_ALREADY = {check.EXIT_CONFIG_ERROR, 4, 5}
 # torchrun's own ways to name the program: the launcher always runs -m <package>.train.
 PROGRAM_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 
