@@ -1,0 +1,76 @@
+"""Stop signals on a GPU node, as a pod gets them: a fresh run, then after one and two resumes.
+
+    python3 scripts/gpu-stop.py PACKAGE [NPROC]   # after scripts/gpu-setup.sh put the project on PYTHONPATH
+
+Each launch is `<project> train` (python -m PACKAGE.launch train) into one run dir. The first two
+stops are SIGTERM to the launcher alone (the kubelet signals PID 1), sent at the first step line
+after the start or the resume; the third is SIGINT to the process group (Ctrl-C). Prints, per
+stop: seconds from the signal to the launcher's exit, its exit code, the step it names and the
+newest checkpoint's step; writes them as JSON to $OUT/gpu-stop.json.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STOPPED = re.compile(r"(SIGTERM|SIGINT): stopped at step (\d+)")
+
+
+def stop_once(package: str, nproc: int, run_dir: Path, signum: int, group: bool, after: str) -> dict:
+    command = [sys.executable, "-m", f"{package}.launch", "train", "--nproc-per-node", str(nproc),
+               f"hydra.run.dir={run_dir}", "trainer.max_steps=100000000", "trainer.log_every=50",
+               "trainer.checkpoint_every=1000000"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    lines, seen, signalled = [], False, None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            seen = seen or after in line
+            if signalled is None and seen and "loss" in line:
+                signalled = time.monotonic()
+                (os.killpg if group else os.kill)(process.pid, signum)
+        code = process.wait(timeout=120)
+        seconds = time.monotonic() - signalled if signalled else None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines)
+    named = STOPPED.findall(output)
+    newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    return {
+        "signal": signal.Signals(signum).name, "to": "process group" if group else "launcher",
+        "seconds": None if seconds is None else round(seconds, 2), "exit": code,
+        "stopped_at": int(named[-1][1]) if named else None,
+        "newest_checkpoint": int(newest[-1].stem.split("_")[1]) if newest else None,
+        "last_lines": output.strip().splitlines()[-3:],
+    }
+
+
+def main() -> int:
+    package, nproc = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    run_dir = Path(tempfile.mkdtemp()) / "run"
+    results = [
+        stop_once(package, nproc, run_dir, signal.SIGTERM, False, "gate all-reduce passed"),
+        stop_once(package, nproc, run_dir, signal.SIGTERM, False, "resumed from"),
+        stop_once(package, nproc, run_dir, signal.SIGINT, True, "resumed from"),
+    ]
+    out = Path(os.environ.get("OUT", "/tmp"))
+    (out / "gpu-stop.json").write_text(json.dumps(results, indent=1))
+    for resumes, row in enumerate(results):
+        print(f"GPU-RESULT stop after {resumes} resume(s): {row['signal']} to the {row['to']}: "
+              f"exit {row['exit']} in {row['seconds']} s, stopped at step {row['stopped_at']}, "
+              f"newest checkpoint {row['newest_checkpoint']}")  # fmt: skip
+    ok = all(r["exit"] in (130, 143) and r["seconds"] is not None and r["seconds"] < 5
+             and r["stopped_at"] == r["newest_checkpoint"] for r in results)  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
