@@ -88,8 +88,6 @@ RENDER_TEST = "test_each_render_passes_the_tests_that_depend_on_it"
 RENDERS = {
     "trainjob-2nodes-4gpus-infiniband": {"k8s_flavor": "trainjob", "num_nodes": "2", "num_gpus": "4",
                                          "nccl_profile": "infiniband", "package": "pretrainer"},
-    "jobset-2nodes-8gpus-socket": {"k8s_flavor": "jobset", "num_nodes": "2", "num_gpus": "8",
-                                   "nccl_profile": "socket", "project": "sets-of-nodes"},
     "job-1gpu-pcie-safe": {"k8s_flavor": "job", "num_gpus": "1", "nccl_profile": "pcie_safe"},
 }  # fmt: skip
 

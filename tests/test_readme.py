@@ -168,6 +168,7 @@ CLASSIFIED = [
     (r"python -m {package}\.(bench|doctor|metrics)( |$)", "module-parse"),
     (r"python -m {package}\.evaluate( |$)", "evaluate"),
     (r"python -m pytest( |$)", "generated-suite"),
+    (r"pytest -m render$", "generated-suite"),  # the renders' selection, run by test_project
     (r"torchrun .* -m {package}\.train", "torchrun"),
     (r"make (demo|clean)$", "template-make"),
     (r"make ", "make"),

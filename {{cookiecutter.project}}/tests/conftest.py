@@ -70,6 +70,16 @@ def trainer_container(flavor: str, workload: dict) -> dict:
     return container
 
 
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """Entry points called in-process (bench's and the launcher's main) set WORLD_SIZE and the
+    like for themselves: a later test's subprocess on the same worker must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def shared_folder(request: pytest.FixtureRequest) -> Path:
     """A module fixture's folder, made once per session; the test fails if a second xdist worker
     makes it too (the grouping above did not hold, and the run would be paid twice)."""

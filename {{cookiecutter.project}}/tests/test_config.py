@@ -181,11 +181,10 @@ def test_nccl_overrides_are_rewritten_once_and_only_theirs():
 def test_configs_are_found_where_the_configs_package_is_not_beside_config_py(monkeypatch):
     """An editable install maps <package>.configs to the project's configs/, away from config.py
     (the Quick start's make test failed on that); config.py's place must not matter."""
-    import importlib
     from pathlib import Path
 
-    from {{ cookiecutter.package }} import config
+    from {{ cookiecutter.package }} import config, configs
 
-    package = Path(importlib.import_module("{{ cookiecutter.package }}.configs").__file__).parent
+    package = Path(configs.__file__).parent
     monkeypatch.setattr(config, "__file__", "/nowhere/config.py")
     assert config.configs_folder() == package and (package / "train.yaml").is_file()

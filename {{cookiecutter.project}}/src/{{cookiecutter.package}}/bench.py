@@ -120,7 +120,9 @@ def template_ms(
     timed = replace(cfg.trainer, max_steps=warmup + steps, log_every=WINDOW, checkpoint_every=0)
     # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
     run_dir.mkdir(parents=True, exist_ok=True)
-    Trainer(replace(cfg, trainer=timed), world, device, run_dir, control).train()
+    trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)
+    if trainer.train():  # stopped by a signal: every later timing would stop at once too
+        sys.exit(trainer.checkpointer.preemption.signals.exit_code)
     if not world.main:
         return float("nan")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

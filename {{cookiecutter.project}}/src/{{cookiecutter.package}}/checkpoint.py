@@ -371,6 +371,8 @@ class StopSignals:
         self.signum: int | None = None  # the first stop signal received
         self.depth = 0  # deferred() nesting: > 0 while steps run
         self.stepped = False  # a step has run: a stop now comes "after the last step"
+        self.said = False  # the stop's line is out
+        self.settled = False  # the steps ended with a signal known: their caller stops
         self.run_dir: Path | None = None  # named in the line, once known
         self.main = True  # whether this process prints the line (global rank 0)
         self.previous: dict[int, Any] | None = None
@@ -417,7 +419,12 @@ class StopSignals:
         self.writer.close()  # the watching thread reads the end and stops
 
     def handle(self, signum: int, frame: Any) -> None:
-        self.note(signum)
+        """The request only, so that the step just run sees it; the signal's byte on the wakeup
+        fd wakes the watching thread, which does the rest. A handler runs in the main thread
+        between bytecodes, possibly while that thread holds the lock note() takes (or an
+        Event's): taking one here could wait forever."""
+        if self.signum is None:
+            self.signum = signum
 
     def watch(self, reader: socket.socket) -> None:
         with reader:
@@ -428,15 +435,22 @@ class StopSignals:
 
     def note(self, signum: int) -> None:
         with self.lock:
-            first = self.signum is None
-            if first:
+            if self.signum is None:
                 self.signum = signum
-            now = self.depth == 0
+            # Steps that ended knowing of a signal leave the exit to their caller; after
+            # uninstall() (bench, tests) the signal is no longer this object's to act on.
+            now = self.depth == 0 and not self.settled and self.previous is not None
         self.received.set()
         if now:
-            if self.main and first:  # a later signal: the first one's line is out already
-                log.warning(self.stopped_line())
+            self.say(self.stopped_line())
             os._exit(self.exit_code)
+
+    def say(self, line: str) -> None:
+        """Rank 0's one line about the stop; once, whoever says it first."""
+        with self.lock:
+            said, self.said = self.said, True
+        if self.main and not said:
+            log.warning(line)
 
     def adopt(self, signum: int) -> bool:
         """The signal the ranks agreed to stop for (0: none), as this rank's own if it got none:
@@ -458,6 +472,7 @@ class StopSignals:
         finally:
             with self.lock:
                 self.depth -= 1
+                self.settled = self.settled or (self.depth == 0 and self.signum is not None)
 
     def stopped_line(self) -> str:
         """For a stop with nothing new to save."""

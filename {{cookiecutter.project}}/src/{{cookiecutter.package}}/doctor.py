@@ -222,7 +222,6 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         }
         if "auto" in decisions:
             report["auto_decision"] = decisions["auto"].report(only_nccl=True)
-        sizes = GPU_SIZES_MIB
         sizes = GPU_SIZES_MIB if between else []
         if not between:
             report["note"] = (

@@ -61,6 +61,7 @@ from {{ cookiecutter.package }}.config import (
     RUN_NAME_VAR,
     TrainConfig,
     exit_with_error,
+    hydra_overrides,
     register_configs,
     run_name_for,
 )
@@ -268,7 +269,9 @@ def planned_run_dir(overrides: list[str]) -> Path | None:
     try:
         register_configs()
         with check.configs_at(None):
-            cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+            cfg = compose(
+                config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=True
+            )
         value = cfg.hydra.run.dir
     except Exception:  # an interpolation only a worker can resolve: the workers' guard decides
         return None
@@ -298,9 +301,25 @@ def remove_empty(path: Path, top: Path) -> None:
 
 
 def of_value(run_dir: Path) -> bool:
-    """Whether a run dir holds anything a run made: a checkpoint, or a metrics row."""
+    """Whether a run dir holds anything a run made: a checkpoint, a metrics row, or a
+    logger's files (TensorBoard, W&B, MLflow) written before the first row; not the start-up log."""
     rows = run_dir / "metrics.jsonl"
-    return bool(checkpoint.checkpoint_paths(run_dir)) or (rows.exists() and rows.stat().st_size > 0)
+    if checkpoint.checkpoint_paths(run_dir) or (rows.exists() and rows.stat().st_size > 0):
+        return True
+    made_at_start = {
+        ".hydra",
+        ".lock",
+        "train.log",
+        "metrics.jsonl",
+        "metrics.csv",
+        "config.yaml",
+        "nccl",
+    }
+    return any(
+        path.name not in made_at_start
+        and (any(path.iterdir()) if path.is_dir() else path.stat().st_size > 0)
+        for path in run_dir.iterdir()
+    )
 
 
 # Exits that follow from another process's failure: a collective that failed because its peer
@@ -366,16 +385,22 @@ def cgroup_dirs() -> list[Path]:
 
 
 def oom_kills() -> dict[str, int]:
-    """The kernel's counts of processes killed for memory: the machine's and this cgroup's."""
+    """The kernel's counts of processes killed for memory: this cgroup's, or the machine's where
+    no cgroup counts them. /proc/vmstat counts every container of a node: on Kubernetes another
+    pod's kill would pass for this one's."""
     counts = {}
-    for path, name in [(Path("/proc/vmstat"), "oom_kill")] + [
-        (folder / file, "oom_kill")
+    for path in [
+        folder / file
         for folder in cgroup_dirs()
         for file in ("memory.events", "memory.oom_control")
     ]:
-        value = read_counter(path, name)
+        value = read_counter(path, "oom_kill")
         if value is not None:
             counts[str(path)] = value
+    if not counts:
+        value = read_counter(Path("/proc/vmstat"), "oom_kill")
+        if value is not None:
+            counts["/proc/vmstat"] = value
     return counts
 
 

@@ -184,8 +184,8 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
 
     def fail(failure: failfast.CollectiveFailure) -> NoReturn:
         # A peer that ended for a stop signal this process gets too (torchrun signals them all).
-        if signals.explains(wait_s=2.0 if failure.cause is failfast.Cause.peer_died else 0.0):
-            stop_quietly(signals, world)
+        if failure.cause is failfast.Cause.peer_died and signals.explains(wait_s=2.0):
+            stop_quietly(signals)
         report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
         logging.shutdown()
         # No destroy_process_group here: on a wedged communicator it can hang for good.
@@ -254,11 +254,10 @@ def end_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def stop_quietly(signals: checkpoint.StopSignals, world: World) -> NoReturn:
+def stop_quietly(signals: checkpoint.StopSignals) -> NoReturn:
     """A collective failed because a peer stopped for a stop signal, which reached this process
     too: that is the stop, not a failure to explain. Rank 0 says so in one line."""
-    if world.main:
-        log.warning(signals.stopped_line())
+    signals.say(signals.stopped_line())
     end_now(signals.exit_code)
 
 

@@ -23,7 +23,12 @@ from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.package }} import ddp, metrics
-from {{ cookiecutter.package }}.checkpoint import Checkpointer, CheckpointFailed, Diverged, Progress
+from {{ cookiecutter.package }}.checkpoint import (
+    Checkpointer,
+    CheckpointFailed,
+    Diverged,
+    Progress,
+)
 from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
 from {{ cookiecutter.package }}.data import build_dataset, build_loader, epoch_batches
 from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
@@ -159,8 +164,7 @@ class Trainer:
         max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
         preemption = self.checkpointer.preemption
         if preemption.start(self.progress.step):  # asked to stop already
-            if self.world.main:
-                log.warning(preemption.signals.stopped_line())
+            preemption.signals.say(preemption.signals.stopped_line())
             return True
         batches = self.batches()
         record = metrics.RunRecord(
@@ -301,11 +305,9 @@ class Trainer:
         }
 
     def report_stop(self, step: int) -> None:
-        if self.world.main:
-            log.warning(
-                "%s: stopped at step %d%s; to resume, relaunch with hydra.run.dir=%s",
-                self.checkpointer.preemption.signals.name,
-                step,
-                " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)",
-                self.run_dir,
-            )
+        signals = self.checkpointer.preemption.signals
+        saved = " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)"
+        signals.say(
+            f"{signals.name}: stopped at step {step}{saved}; to resume, relaunch with "
+            f"hydra.run.dir={self.run_dir}"
+        )
