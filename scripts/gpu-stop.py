@@ -45,8 +45,10 @@ def stop_once(package: str, nproc: int, run_dir: Path, signum: int, group: bool,
     named = STOPPED.findall(output)
     newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     return {
-        "signal": signal.Signals(signum).name, "to": "process group" if group else "launcher",
-        "seconds": None if seconds is None else round(seconds, 2), "exit": code,
+        "signal": signal.Signals(signum).name,
+        "to": "process group" if group else "launcher",
+        "seconds": None if seconds is None else round(seconds, 2),
+        "exit": code,
         "stopped_at": int(named[-1][1]) if named else None,
         "newest_checkpoint": int(newest[-1].stem.split("_")[1]) if newest else None,
         "last_lines": output.strip().splitlines()[-3:],
