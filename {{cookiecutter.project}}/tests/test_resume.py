@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,58 +32,66 @@ def max_abs_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def static_rendezvous_command(*overrides: str, nproc: int) -> list[str]:
+    """torchrun without --standalone: a static rendezvous on a free port, the run id "none"."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-port", str(port), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def kept(request) -> Path:
-    """A 2-process run of 50 steps, a checkpoint every 10, the newest 2 kept: tests copy it."""
-    tmp_path = shared_folder(request)
-    done = torchrun(tmp_path, "trainer.max_steps=50", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=2",
-                    "hydra.run.dir=run")  # fmt: skip
+    """A 2-process run of 80 steps, a checkpoint every 10, the newest 3 kept: tests copy it. 64
+    steps make an epoch here: its step 80 is in epoch 1, its step 60 before the edge. Launched
+    with a static rendezvous and no hydra.run.dir: its run dir is the one under outputs/."""
+    folder = shared_folder(request)
+    command = static_rendezvous_command("trainer.max_steps=80", "trainer.checkpoint_every=10",
+                                        "trainer.keep_checkpoints=3", nproc=2)  # fmt: skip
+    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return tmp_path / "run"
+    (run,) = (folder / "outputs").iterdir()
+    return run
 
 
 def test_checkpoints_hold_what_a_resume_needs_and_only_the_newest_are_kept(kept):
     paths = checkpoint.checkpoint_paths(kept)
-    assert [p.name for p in paths] == ["step_000000040.pt", "step_000000050.pt"]
+    assert [p.name for p in paths] == [f"step_{step:09d}.pt" for step in (60, 70, 80)]
     assert not list((kept / "checkpoints").glob(".partial-*"))
     state = torch.load(paths[-1])  # plain torch.load, safe (weights_only) by default
-    assert state["step"] == 50 and state["data"] == {"step": 50, "epoch": 0, "batch_in_epoch": 50}
+    assert state["step"] == 80 and state["data"] == {"step": 80, "epoch": 1, "batch_in_epoch": 16}
     assert {"model", "optimizer", "scaler", "rng", "config"} <= state.keys()
     assert len(state["rng"]) == 2 and not any(k.startswith("module.") for k in state["model"])
-    assert state["config"]["trainer"]["max_steps"] == 50
+    assert state["config"]["trainer"]["max_steps"] == 80
 
 
-def test_resume_mid_epoch_matches_an_uninterrupted_run(tmp_path):
-    """64 steps make an epoch here: stopping at 37 and going on to 100 crosses an epoch edge."""
-    straight = torchrun(tmp_path, "trainer.max_steps=100", "hydra.run.dir=straight")
-    first = torchrun(tmp_path, "trainer.max_steps=37", "hydra.run.dir=resumed")
-    second = torchrun(tmp_path, "trainer.max_steps=100", "hydra.run.dir=resumed")
-    for done in (straight, first, second):
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from the checkpoint of step 37 (epoch 0, batch 37)" in second.stdout
-    diff = max_abs_diff(
-        final_model(tmp_path / "straight", 100), final_model(tmp_path / "resumed", 100)
-    )
-    assert diff <= 1e-6
-
-
-def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(kept, tmp_path):
-    shutil.copytree(kept, tmp_path / "run")
-    newest = tmp_path / "run" / "checkpoints" / "step_000000050.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a node dying mid-write
-    done = torchrun(
-        tmp_path, "trainer.max_steps=60", "trainer.checkpoint_every=10", "hydra.run.dir=run"
-    )
+def test_separate_static_rendezvous_launches_get_separate_run_dirs(kept):
+    """torchrun without --standalone names every run "none"; each launch still gets its own dir:
+    kept's launch and this one, from the same directory."""
+    command = static_rendezvous_command("trainer.max_steps=3", nproc=1)
+    done = subprocess.run(command, cwd=kept.parents[1], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "skipping unreadable checkpoint step_000000050.pt" in done.stdout + done.stderr
-    assert "resumed from the checkpoint of step 40" in done.stdout
+    runs = sorted(p.name for p in (kept.parents[1] / "outputs").iterdir())
+    assert len(runs) == 2 and all(RUN_NAME.fullmatch(name) for name in runs), runs
 
 
-def launch(tmp_path, *overrides: str) -> subprocess.Popen:
-    command = train_command("hydra.run.dir=run", "trainer.log_every=5", *overrides)
-    return subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_restarts_the_epoch(
+    kept, tmp_path
+):
+    """kept's newest checkpoint truncated, as by a node dying mid-write: the one before it
+    (step 70, epoch 1, batch 6) is resumed, by 1 process where 2 wrote it."""
+    shutil.copytree(kept, tmp_path / "run")
+    newest = tmp_path / "run" / "checkpoints" / "step_000000080.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=75", "hydra.run.dir=run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipping unreadable checkpoint step_000000080.pt" in done.stdout + done.stderr
+    assert "written by 2 processes, this run has 1: epoch 1 starts again" in done.stdout
+    assert "resumed from the checkpoint of step 70 (epoch 1, batch 0)" in done.stdout
 
 
 # Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
@@ -90,7 +99,8 @@ def launch(tmp_path, *overrides: str) -> subprocess.Popen:
 # init_process_group while rank 0 waits for it there, in C; with SLOW_RANK_1_RESUME, after
 # loading the checkpoint, while rank 0 waits in the exchange before the first step. Each marks
 # waiting<rank> on the way. With FAIL_SECOND_WRITE, rank 0's second checkpoint write fails as
-# on a full disk.
+# on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more. With
+# PAUSE_RANK_1_AFTER_STEP, rank 1 marks paused1 once that step's checkpoint is written and sleeps.
 STOP_HOOK = """
 import errno, os, pathlib, time
 if "RANK" in os.environ:
@@ -136,6 +146,26 @@ if "RANK" in os.environ:
             return _write(state, path)
 
         checkpoint.write_atomically = _write_until_full
+    if os.environ.get("SLOW_SAVE_S"):
+        import torch
+        _save = torch.save
+
+        def _slow_save(*args, **kwargs):
+            time.sleep(float(os.environ["SLOW_SAVE_S"]))
+            return _save(*args, **kwargs)
+
+        torch.save = _slow_save
+    if os.environ.get("PAUSE_RANK_1_AFTER_STEP") and os.environ["RANK"] == "1":
+        from PACKAGE.checkpoint import Checkpointer
+        _checkpoint_save = Checkpointer.save
+
+        def _pausing_save(self, step, **kwargs):
+            _checkpoint_save(self, step, **kwargs)
+            if step == int(os.environ["PAUSE_RANK_1_AFTER_STEP"]):
+                (_records / "paused1").touch()
+                time.sleep(60)
+
+        Checkpointer.save = _pausing_save
 """.replace("PACKAGE", PACKAGE)
 STEP_LINE = re.compile(r"step (\d+)/\d+ ")
 
@@ -246,10 +276,16 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
 
 
 @pytest.mark.timeout(240)
-def test_a_full_disk_is_rank_0s_one_line_and_no_rank_blames_a_collective(tmp_path, stop_hook):
+def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_line(
+    tmp_path, stop_hook
+):
+    """Rank 0 writes step 10's checkpoint for 8 s under dist.timeout_s=3: the others wait on the
+    CPU group, with no collective pending and the stall watchdog paused, and training goes on
+    to step 20, whose write fails as on a full disk: rank 0 says so in one line, exits 5, and
+    no rank blames a collective."""
     env, _ = stop_hook
-    done = torchrun(tmp_path, "trainer.max_steps=30", "trainer.checkpoint_every=10", "hydra.run.dir=run",
-                    env={**env, "FAIL_SECOND_WRITE": "1"})  # fmt: skip
+    done = torchrun(tmp_path, "trainer.max_steps=30", "trainer.checkpoint_every=10", "dist.timeout_s=3",
+                    "hydra.run.dir=run", env={**env, "FAIL_SECOND_WRITE": "1", "SLOW_SAVE_S": "8"})  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("checkpoint error:")]
@@ -272,17 +308,31 @@ def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "config error: step_000000050.pt does not fit this run's model" in done.stderr
+    assert "config error: step_000000080.pt does not fit this run's model" in done.stderr
     assert (tmp_path / "run" / "config.yaml").read_text() == before
 
 
-@pytest.mark.timeout(240)
-def test_a_rank_killed_with_sigkill_ends_the_launcher_promptly_and_a_relaunch_resumes(tmp_path):
-    process = launch(tmp_path, "trainer.max_steps=100000000", "trainer.checkpoint_every=20")
+@pytest.mark.timeout(300)
+def test_a_rank_sigkilled_ends_the_launcher_promptly_and_resumes_match_an_uninterrupted_run(
+    kept, tmp_path, stop_hook
+):
+    """kept's run resumed from step 60 (mid epoch 0), rank 1 SIGKILLed once step 70's checkpoint
+    (epoch 1) is written: the launcher ends promptly. A relaunch resumes from step 70 and ends
+    at step 80 with kept's weights: two resumes, across an epoch edge, lose nothing."""
+    env, records = stop_hook
     run_dir = tmp_path / "run"
+    shutil.copytree(kept, run_dir)
+    for later in checkpoint.checkpoint_paths(run_dir)[1:]:
+        later.unlink()
+    command = train_command("hydra.run.dir=run", "trainer.log_every=5", "trainer.max_steps=80",
+                            "trainer.checkpoint_every=10")  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **env, "PAUSE_RANK_1_AFTER_STEP": "70"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     deadline = time.monotonic() + 120
-    while not checkpoint.checkpoint_paths(run_dir):
-        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint written"
+    while not (records / "paused1").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "step 70 never written"
         time.sleep(0.2)
     victim = worker_pid(process.pid, rank=1)
     os.kill(victim, signal.SIGKILL)
@@ -290,57 +340,10 @@ def test_a_rank_killed_with_sigkill_ends_the_launcher_promptly_and_a_relaunch_re
     output, _ = process.communicate(timeout=90)
     assert process.returncode != 0
     assert time.monotonic() - killed_at < 45, output[-3000:]
+    assert "resumed from the checkpoint of step 60 (epoch 0, batch 60)" in output
     newest = checkpoint.newest_readable(run_dir)[1]["step"]
-    resumed = torchrun(tmp_path, f"trainer.max_steps={newest + 10}", "hydra.run.dir=run")
+    assert newest == 70, output[-3000:]
+    resumed = torchrun(tmp_path, "trainer.max_steps=80", "hydra.run.dir=run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from the checkpoint of step {newest}" in resumed.stdout
-
-
-def test_resume_with_another_world_size_restarts_the_epoch(kept, tmp_path):
-    shutil.copytree(kept, tmp_path / "run")
-    done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=55", "hydra.run.dir=run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "written by 2 processes, this run has 1: epoch 0 starts again" in done.stdout
-    assert "resumed from the checkpoint of step 50 (epoch 0, batch 0)" in done.stdout
-
-
-def test_separate_static_rendezvous_launches_get_separate_run_dirs(tmp_path):
-    """torchrun without --standalone names every run "none"; each launch still gets its own dir."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-               "--master-port", "29533", "-m", f"{PACKAGE}.train", "trainer.max_steps=3"]  # fmt: skip
-    for _ in range(2):
-        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-    runs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
-    assert len(runs) == 2 and all(RUN_NAME.fullmatch(name) for name in runs), runs
-
-
-SLOW_SAVE = """
-import os, time, torch
-_save = torch.save
-
-def _slow_save(*args, **kwargs):
-    time.sleep(float(os.environ["SLOW_SAVE_S"]))
-    return _save(*args, **kwargs)
-
-torch.save = _slow_save
-"""
-
-
-@pytest.mark.timeout(240)
-def test_a_checkpoint_write_longer_than_the_collective_timeout_is_no_collective_failure(tmp_path):
-    """Rank 0 writes for 8 s under dist.timeout_s=3: the others wait on the CPU group, with no
-    collective pending and the stall watchdog paused, and training goes on."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_SAVE)
-    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "SLOW_SAVE_S": "8"}
-    done = torchrun(tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "dist.timeout_s=3",
-                    "hydra.run.dir=run", env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "A collective failed" not in done.stderr
-    names = [p.name for p in checkpoint.checkpoint_paths(tmp_path / "run")]
-    assert names == ["step_000000010.pt", "step_000000020.pt"]
+    assert f"resumed from the checkpoint of step {newest} (epoch 1, batch 6)" in resumed.stdout
+    assert max_abs_diff(final_model(kept, 80), final_model(run_dir, 80)) <= 1e-6
