@@ -1,5 +1,6 @@
 """Lose nothing: checkpoints, resume (bit for bit), SIGTERM from Kubernetes, a rank SIGKILLed."""
 
+import logging
 import os
 import re
 import shutil
@@ -298,17 +299,29 @@ def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_li
     assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
 
 
-def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path):
-    """The guard lets the change through (accept_changes), the checkpoint does not fit."""
+def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monkeypatch, capsys):
+    """The guard lets the change through (accept_changes), the checkpoint does not fit: exit 2.
+    train's main in this process, as `python -m` runs it: one process, no torchrun."""
+    from {{ cookiecutter.package }} import rundir, train
+
     shutil.copytree(kept, tmp_path / "run")
     before = (tmp_path / "run" / "config.yaml").read_text()
-    done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.train", "model.hidden_dim=64", "hydra.run.dir=run",
-         "trainer.accept_changes=[model.hidden_dim]"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "config error: step_000000080.pt does not fit this run's model" in done.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train", "model.hidden_dim=64", "hydra.run.dir=run",
+                                      "trainer.accept_changes=[model.hidden_dim]"])  # fmt: skip
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with pytest.raises(SystemExit) as ended:
+            train.main()
+    finally:  # Hydra's job logging and the run dir's lock: this process goes on
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:], root.level = handlers, level
+        rundir.release(tmp_path / "run")
+    err = capsys.readouterr().err
+    assert ended.value.code == 2, err[-3000:]
+    assert "config error: step_000000080.pt does not fit this run's model" in err
     assert (tmp_path / "run" / "config.yaml").read_text() == before
 
 
