@@ -41,8 +41,22 @@ def launch(cwd, *args: str) -> subprocess.CompletedProcess:
     return conftest.launch(cwd, "--nproc-per-node", "1", *args)
 
 
-def torchrun(cwd, *overrides: str) -> subprocess.CompletedProcess:
-    return conftest.torchrun(cwd, *overrides, nproc=1)
+def train_alone(cwd, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m <package>.train`: the worker's own checks (RunDirGuard) without the launcher's,
+    in one process (under torchrun each worker runs the same; the agent would add seconds)."""
+    return subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=240)  # fmt: skip
+
+
+def launcher_refusal(cwd, monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
+    """`<project> train --nproc-per-node 1 <overrides>` in this process, where the launcher
+    refuses before torchrun starts: (its exit code, its stderr)."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["train", "--nproc-per-node", "1", *overrides])
+    return stop.value.code, capsys.readouterr().err
 
 
 def one_line(done: subprocess.CompletedProcess) -> str:
@@ -60,7 +74,9 @@ def snapshot(run_dir) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(tmp_path):
+def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(
+    tmp_path, monkeypatch, capsys
+):
     first = subprocess.Popen(
         launch_command("--nproc-per-node", "1", "trainer.max_steps=100000000", "trainer.log_every=5",
                        "hydra.run.dir=run"),  # fmt: skip
@@ -71,14 +87,13 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(tmp_
         hydra_files = {p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()}
         holder = json.loads((tmp_path / "run" / ".lock").read_text())
         expected = f"config error: hydra.run.dir=run: in use by pid {holder['pid']} on {socket.gethostname()}"
-        for second in (
-            launch(tmp_path, "trainer.max_steps=50", "hydra.run.dir=run"),  # the launcher's check
-            torchrun(tmp_path, "trainer.max_steps=50", "hydra.run.dir=run"),  # the workers' own
-        ):
-            assert second.returncode != 0
-            assert (
-                expected in second.stderr and f"{PACKAGE}/" not in second.stderr
-            )  # no traceback of ours
+        code, said = launcher_refusal(  # the launcher's check, in this process
+            tmp_path, monkeypatch, capsys, "trainer.max_steps=50", "hydra.run.dir=run"
+        )
+        assert code == 2 and expected in said
+        second = train_alone(tmp_path, "trainer.max_steps=50", "hydra.run.dir=run")  # the worker's
+        assert second.returncode != 0
+        assert expected in second.stderr and f"{PACKAGE}/" not in second.stderr  # no traceback
         assert {
             p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()
         } == hydra_files
@@ -89,22 +104,24 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(tmp_
         first.communicate(timeout=60)
 
 
-def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    dead = {"host": socket.gethostname(), "pid": 2**22 + 17, "since": 0, "command": "killed"}
-    (run_dir / ".lock").write_text(json.dumps(dead))
-    done = launch(tmp_path, "trainer.max_steps=5", "hydra.run.dir=run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((run_dir / ".lock").read_text())["pid"] != dead["pid"]
+DEAD = {"host": socket.gethostname(), "pid": 2**22 + 17, "since": 0, "command": "killed"}
 
 
 @pytest.fixture(scope="module")
 def trained_once(request):
+    """Trained in run/ for 10 steps with a checkpoint there, by a launch that found the lock of a
+    run that died (DEAD) in run/."""
     cwd = shared_folder(request)
+    (cwd / "run").mkdir()
+    (cwd / "run" / ".lock").write_text(json.dumps(DEAD))
     done = launch(cwd, "trainer.max_steps=10", "trainer.checkpoint_every=10", "hydra.run.dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd
+
+
+def test_the_lock_of_a_run_that_died_is_taken_over(trained_once):
+    assert read_metrics(trained_once / "run")[-1]["step"] == 10  # the launch ran
+    assert json.loads((trained_once / "run" / ".lock").read_text())["pid"] != DEAD["pid"]
 
 
 @pytest.fixture
@@ -114,47 +131,54 @@ def trained(trained_once, tmp_path):
     return tmp_path
 
 
-def test_a_resume_that_would_change_results_is_refused_listing_every_difference(trained):
+def test_a_resume_that_would_change_results_is_refused_listing_every_difference(
+    trained, monkeypatch, capsys
+):
     before = snapshot(trained / "run")
-    done = launch(
-        trained, "trainer.max_steps=20", "trainer.seed=1", "data.batch_size=64", "hydra.run.dir=run"
-    )
-    assert done.returncode == 2
-    assert one_line(done) == (
+    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
+                                  "trainer.seed=1", "data.batch_size=64", "hydra.run.dir=run")  # fmt: skip
+    assert code == 2
+    assert said.splitlines() == [
         "config error: hydra.run.dir=run resumes from step_000000010.pt, written with another "
         "config: data.batch_size 128 -> 64, trainer.seed 0 -> 1. These change results; to continue "
         "anyway add trainer.accept_changes=[data.batch_size,trainer.seed], or choose another "
         "hydra.run.dir"
-    )
+    ]
     assert snapshot(trained / "run") == before
-    # the workers refuse it too, when launched by torchrun without the launcher
-    direct = torchrun(trained, "trainer.max_steps=20", "trainer.seed=1", "hydra.run.dir=run")
+    # the workers refuse it too, when launched without the launcher
+    direct = train_alone(trained, "trainer.max_steps=20", "trainer.seed=1", "hydra.run.dir=run")
     assert direct.returncode != 0 and "trainer.seed 0 -> 1" in direct.stderr
     assert snapshot(trained / "run") == before
 
 
-def test_a_resume_may_change_what_does_not_change_results(trained):
-    done = launch(trained, "trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=5",
-                  "trainer.keep_checkpoints=4", "data.num_workers=1", "hydra.run.dir=run")  # fmt: skip
+def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may_change(
+    trained, monkeypatch
+):
+    """Only trainer.lr is accepted: the other keys changed here change no result, and need not be."""
+    done = launch(trained, "trainer.max_steps=20", "trainer.lr=0.001", "trainer.accept_changes=[trainer.lr]",
+                  "trainer.log_every=5", "trainer.checkpoint_every=5", "trainer.keep_checkpoints=4",
+                  "data.num_workers=1", "hydra.run.dir=run")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step 10" in done.stdout
-
-
-def test_an_accepted_change_resumes_with_it(trained):
-    done = launch(trained, "trainer.max_steps=20", "trainer.lr=0.001", "trainer.accept_changes=[trainer.lr]",
-                  "hydra.run.dir=run")  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
     assert [row["lr"] for row in read_metrics(trained / "run")][-1] == pytest.approx(0.001)
-    again = launch(trained, "trainer.max_steps=30", "trainer.lr=0.001", "hydra.run.dir=run")
-    assert again.returncode == 0, again.stderr[-3000:]  # the newest checkpoint carries the new lr
+    # The newest checkpoint carries the new lr: the launcher (in this process) starts the next
+    # resume without an accept list; the workers check it with the same resume_problem.
+    started = []
+    monkeypatch.chdir(trained)
+    monkeypatch.setattr(launcher, "run", started.append)
+    assert launcher.main(["train", "--nproc-per-node", "1", "trainer.max_steps=30",
+                          "trainer.lr=0.001", "hydra.run.dir=run"]) == 0  # fmt: skip
+    assert len(started) == 1
+    assert rundir.resume_problem(trained / "run", check.load_config(["trainer.max_steps=30",
+                                 "trainer.lr=0.001"])) is None  # fmt: skip
 
 
-def test_an_accept_list_naming_no_key_is_refused(trained):
-    done = launch(
-        trained, "trainer.max_steps=20", "trainer.accept_changes=[trainer.lrr]", "hydra.run.dir=run"
-    )
-    assert done.returncode == 2
-    assert one_line(done).startswith(
+def test_an_accept_list_naming_no_key_is_refused(trained, monkeypatch, capsys):
+    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
+                                  "trainer.accept_changes=[trainer.lrr]", "hydra.run.dir=run")  # fmt: skip
+    assert code == 2
+    (line,) = said.splitlines()
+    assert line.startswith(
         "config error: trainer.accept_changes: trainer.lrr is no key of the config"
     )
 
@@ -186,15 +210,14 @@ def test_a_checkpoint_of_another_shape_is_one_line(trained):
     ],
     ids=["a file", "unwritable"],
 )
-def test_an_unusable_run_dir_is_one_line(tmp_path, make, message):
+def test_an_unusable_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, message):
     run_dir = make(tmp_path)
-    for done in (
-        launch(tmp_path, f"hydra.run.dir={run_dir}"),
-        torchrun(tmp_path, f"hydra.run.dir={run_dir}"),
-    ):
-        assert done.returncode != 0
-        assert f"config error: {message}" in done.stderr
-        assert f"{PACKAGE}/" not in done.stderr  # no traceback through the project's code
+    code, said = launcher_refusal(tmp_path, monkeypatch, capsys, f"hydra.run.dir={run_dir}")
+    assert code == 2 and f"config error: {message}" in said  # the launcher's check
+    done = train_alone(tmp_path, f"hydra.run.dir={run_dir}")  # the worker's own
+    assert done.returncode != 0
+    assert f"config error: {message}" in done.stderr
+    assert f"{PACKAGE}/" not in done.stderr  # no traceback through the project's code
     if os.geteuid() != 0:
         assert not (tmp_path / "outputs").exists()
 
@@ -291,7 +314,8 @@ def sweep(cwd, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         sweep_command("experiment=smoke", "trainer.checkpoint_every=5", "hydra.sweep.dir=sweep",
                       *overrides),  # fmt: skip
-        cwd=cwd, capture_output=True, text=True, timeout=240,
+        cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as torchrun gives
+        capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
 
