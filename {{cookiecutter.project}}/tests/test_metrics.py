@@ -5,9 +5,11 @@ import json
 import os
 import pty
 import re
+import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,21 +24,62 @@ from {{ cookiecutter.package }}.config import CsvLoggerConfig, LoggersConfig
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default
 MEASURED_RUN = (*RUN, *MEASURED, "trainer.checkpoint_every=20")
+# Every logger but csv at once (logger=csv is the one-process run's), as lightning-hydra-template
+# users log: W&B offline, MLflow's file store in the run dir.
+LOGGED_RUN = (*MEASURED_RUN, "logger=[tensorboard,wandb,mlflow]")
 BAR = "━"  # rich's bar
 
 
 # A launch costs seconds of CPU: the tests that read the same kind of run share one (module
 # fixtures), and copy it where they change it.
 
+# Installed as sitecustomize: notes what the W&B run is given, then logs it for real, in every
+# process that imports wandb (none that does not pays for its import): a call from rank 1 would show.
+RECORD_WANDB = """
+import importlib.abc, importlib.util, json, os, sys
+
+
+def _record(module):
+    _log = module.Run.log
+
+    def _recording_log(self, data, step=None, **kwargs):
+        with open(os.environ["WANDB_RECORD"], "a") as out:
+            out.write(json.dumps({"step": step, "data": data}) + "\\n")
+        return _log(self, data, step=step, **kwargs)
+
+    module.Run.log = _recording_log
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "wandb.sdk.wandb_run":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: (run_module(module), _record(module))
+        return spec
+
+
+sys.meta_path.insert(0, _OnImport())
+"""
+
 
 @pytest.fixture(scope="module")
 def run(request):
-    """One 2-process run without a terminal, every column measured, and its output."""
+    """One 2-process run without a terminal, every column measured, logging to TensorBoard, W&B
+    and MLflow at once: its run dir, its output, and the W&B calls recorded."""
     tmp_path = shared_folder(request)
     run_dir = tmp_path / "run"
-    done = torchrun(tmp_path, *MEASURED_RUN, f"hydra.run.dir={run_dir}")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORD_WANDB)
+    calls = tmp_path / "calls.jsonl"
+    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WANDB_RECORD": str(calls),
+           "WANDB_SILENT": "true"}  # fmt: skip
+    done = torchrun(tmp_path, *LOGGED_RUN, f"hydra.run.dir={run_dir}", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir, done.stdout + done.stderr
+    return run_dir, done.stdout + done.stderr, calls
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +107,11 @@ def default_run(request):
 
 @pytest.fixture(scope="module")
 def one_process_csv(request) -> Path:
-    """A run on one process with logger=csv."""
+    """A run on one process with logger=csv: `python -m <package>.train`, without torchrun."""
     tmp_path = shared_folder(request)
-    done = torchrun(tmp_path, *RUN, "logger=csv", f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
+    command = [sys.executable, "-m", f"{PACKAGE}.train", *RUN, "logger=csv",
+               f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "run"
 
@@ -86,7 +131,7 @@ def resumed(run, request) -> Path:
 
 
 def test_csv_and_jsonl_hold_the_same_rows(run):
-    run_dir, _ = run
+    run_dir = run[0]
     with (run_dir / "metrics.csv").open(newline="") as rows:
         table = list(csv.DictReader(rows))
     assert list(table[0]) == metrics.COLUMNS
@@ -123,18 +168,18 @@ def test_the_plot_lands_in_the_run_dir(run):
 
 
 def test_the_resolved_config_is_printed_and_saved(run, compose_train):
-    run_dir, output = run
+    run_dir, output, _ = run
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    cfg = OmegaConf.to_object(compose_train(*MEASURED_RUN))
+    cfg = OmegaConf.to_object(compose_train(*LOGGED_RUN))
     assert saved == OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     assert saved["trainer"]["max_steps"] == 60 and saved["dist"]["time_comm"] is True
-    overrides = " ".join(MEASURED_RUN)  # hydra.* settings are not the training config's
+    overrides = " ".join(LOGGED_RUN)  # hydra.* settings are not the training config's
     assert f"config: {run_dir / 'config.yaml'}; overrides: {overrides}\n" in output
     assert "max_steps: 60" not in output  # the file holds the config, the log says where
 
 
 def test_without_a_terminal_progress_is_log_lines(run):
-    _, output = run
+    output = run[1]
     assert "step 40/60  loss" in output and "comm" in output
     assert BAR not in output
 
@@ -157,15 +202,25 @@ def test_one_process_has_no_communication(one_process_csv):
     assert all(row["comm_share"] == 0 for row in read_metrics(one_process_csv))
 
 
-def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path):
+def plot_command(monkeypatch, capsys, run_dir: Path) -> tuple[int, str]:
+    """`python -m <package>.metrics RUN_DIR`, run as __main__ in this process (matplotlib is
+    imported here already): its exit code and stderr."""
+    monkeypatch.setattr(sys, "argv", ["metrics", str(run_dir)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+        # runpy's note that the module is imported already: `python -m` runs a copy too
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+        runpy.run_module(f"{PACKAGE}.metrics", run_name="__main__")
+    return exited.value.code, capsys.readouterr().err
+
+
+def test_the_plot_command_redraws_and_refuses_an_empty_dir(run, tmp_path, monkeypatch, capsys):
     (run[0] / "metrics.png").unlink()
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.metrics", str(run[0])],
-                          capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 0 and (run[0] / "metrics.png").exists()
-    empty = subprocess.run([sys.executable, "-m", f"{PACKAGE}.metrics", str(tmp_path)],
-                           capture_output=True, text=True)  # fmt: skip
-    assert empty.returncode == 2
-    assert empty.stderr == f"{tmp_path}: nothing to draw: metrics.csv has fewer than 2 rows\n"
+    code, _ = plot_command(monkeypatch, capsys, run[0])
+    assert code == 0 and (run[0] / "metrics.png").exists()
+    code, stderr = plot_command(monkeypatch, capsys, tmp_path)
+    assert code == 2
+    assert stderr == f"{tmp_path}: nothing to draw: metrics.csv has fewer than 2 rows\n"
 
 
 def test_by_default_communication_and_gradient_norm_are_not_measured(default_run):
@@ -204,56 +259,31 @@ def test_logger_csv_writes_no_event_files(one_process_csv):
     assert not (one_process_csv / "tensorboard").exists()
 
 
-# Installed as sitecustomize in the workers: notes what the W&B run is given, then logs it for real.
-RECORD_WANDB = """
-import json, os
-import wandb.sdk.wandb_run as wandb_run
-
-_log = wandb_run.Run.log
-
-def _recording_log(self, data, step=None, **kwargs):
-    with open(os.environ["WANDB_RECORD"], "a") as out:
-        out.write(json.dumps({"step": step, "data": data}) + "\\n")
-    return _log(self, data, step=step, **kwargs)
-
-wandb_run.Run.log = _recording_log
-"""
-
-
-def test_two_loggers_at_once_each_get_every_row(tmp_path):
-    """logger=[tensorboard,wandb], as lightning-hydra-template users log: W&B offline."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(RECORD_WANDB)
-    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WANDB_RECORD": str(tmp_path / "calls.jsonl"),
-           "WANDB_SILENT": "true"}  # fmt: skip
-    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
-    done = torchrun(tmp_path, *RUN, "logger=[tensorboard,wandb]", run_dir, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    rows = read_metrics(tmp_path / "run")
+def test_three_loggers_at_once_each_get_every_row(run):
+    """logger=[tensorboard,wandb,mlflow]: each gets every row, once (only rank 0 logs)."""
+    run_dir, _, calls_file = run
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [call["step"] for call in calls] == [row["step"] for row in rows] == [20, 40, 60]
     assert [call["data"]["train/loss"] for call in calls] == [row["loss"] for row in rows]
-    (offline,) = (tmp_path / "run" / "wandb").glob("offline-run-*")  # written for `wandb sync`
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")  # written for `wandb sync`
     assert (offline / "run-run.wandb").stat().st_size > 0
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
         (row["step"], pytest.approx(row["loss"])) for row in rows
     ]
 
 
-def test_logger_mlflow_file_store_holds_every_row(tmp_path, monkeypatch):
+def test_logger_mlflow_file_store_holds_every_row(run, monkeypatch):
     import mlflow
 
-    # one process: that only rank 0 logs, the W&B test shows (each call recorded, none twice)
-    done = torchrun(tmp_path, *RUN, "logger=mlflow", f"hydra.run.dir={tmp_path / 'run'}", nproc=1)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = run[0]
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = mlflow.tracking.MlflowClient((tmp_path / "run" / "mlruns").as_uri())
-    run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+    client = mlflow.tracking.MlflowClient((run_dir / "mlruns").as_uri())
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
     history = client.get_metric_history(run_id, "train/loss")
-    rows = read_metrics(tmp_path / "run")
+    rows = read_metrics(run_dir)
     assert [(m.step, m.value) for m in history] == [(row["step"], row["loss"]) for row in rows]
     assert client.get_run(run_id).data.params["trainer.max_steps"] == "60"
 

@@ -10,6 +10,7 @@ root filesystem is read-only: only /tmp (which holds the run dir here) and /dev/
 """
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,8 +26,11 @@ import pytest
 import torch
 import yaml
 from conftest import deploy_defaults, launcher_bin, read_metrics, trainer_container, worker_pids
+from torch.distributed.run import config_from_args
 
-from {{ cookiecutter.package }} import check, k8s
+from {{ cookiecutter.package }} import check, k8s, launch
+from {{ cookiecutter.package }}.checkpoint import checkpoint_paths
+from {{ cookiecutter.package }}.launch import COMMAND
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
@@ -34,6 +39,9 @@ SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
 # tests run 1 process per node: what they test is each node's torchrun, and every process costs
 # seconds of CPU at each start.
 STEPS = ("trainer.max_steps=400", "trainer.log_every=50", "trainer.checkpoint_every=100")
+# Two failures in one run: the second (at the checkpoint after the first's resume) has as many
+# steps after it as the first.
+LONGER_STEPS = ("trainer.max_steps=500", *STEPS[1:])
 # What the pods of each flavor are called, and the DNS name of pod i (Kubernetes' naming).
 POD_NAMES = {
     "job": lambda name, i: (f"{name}-{i}", f"{name}-{i}.{name}"),
@@ -42,14 +50,12 @@ POD_NAMES = {
     "trainjob": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),  # a JobSet's
 }
 FLAVORS = list(POD_NAMES)
-# This project's own flavor's launch line is the short training the template runs for each of
-# its renders (pytest -m render: tests/conftest.py).
-FLAVOR_PARAMS = [
-    pytest.param(flavor, marks=pytest.mark.render)
-    if flavor == deploy_defaults()["flavor"]
-    else flavor
-    for flavor in FLAVORS
-]
+# This project's own flavor's launch line trains on two nodes: the short training the template
+# runs for each of its renders too (pytest -m render: tests/conftest.py). Each other flavor's
+# launch line is resolved, node by node, to the torchrun launch it makes, and compared with the
+# own flavor's (a launch costs seconds of CPU per process).
+OWN_FLAVOR = deploy_defaults()["flavor"]
+OTHER_FLAVORS = [flavor for flavor in FLAVORS if flavor != OWN_FLAVOR]
 # The pod's hostname, and its read-only root filesystem (readOnlyRootFilesystem) with /tmp, its
 # emptyDir, still writable; /dev/shm is a mount of its own.
 AS_A_POD = 'hostname "$0" && mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"'
@@ -245,12 +251,28 @@ def launch_nodes(
     ]
 
 
-def wait_for_checkpoint(nodes: list[subprocess.Popen], run_dir: Path) -> None:
+def resume_lines(log: Path) -> list[str]:
+    """Rank 0's "resumed from the checkpoint of step N ..." lines, one per resume."""
+    text = log.read_text() if log.exists() else ""
+    return re.findall(r"resumed from the checkpoint of step .*", text)
+
+
+def wait_for_checkpoint(
+    nodes: list[subprocess.Popen], run_dir: Path, after_resume: int = 0
+) -> str | None:
+    """Until a checkpoint is saved, or with after_resume=N, until the Nth resume has saved a
+    newer checkpoint than the one it resumed from: that resume's line."""
     deadline = time.monotonic() + 180
-    while not list((run_dir / "checkpoints").glob("step_*.pt")):
-        assert all(node.poll() is None for node in nodes), (
-            "a node ended before its first checkpoint"
-        )
+    while True:
+        steps = [int(path.stem.split("_")[1]) for path in checkpoint_paths(run_dir)]
+        if not after_resume and steps:
+            return None
+        resumes = resume_lines(run_dir / "train.log")
+        if after_resume and len(resumes) >= after_resume:
+            step = int(re.match(r"resumed from the checkpoint of step (\d+)", resumes[-1])[1])
+            if any(saved > step for saved in steps):
+                return resumes[after_resume - 1]
+        assert all(node.poll() is None for node in nodes), "a node ended before its checkpoint"
         assert time.monotonic() < deadline, "no checkpoint within 180 s"
         time.sleep(0.1)
 
@@ -282,11 +304,15 @@ def assert_resumed_and_finished(
     assert "resumed from the checkpoint of step" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.parametrize("flavor", FLAVOR_PARAMS)
+def node_gpus(flavor: str) -> int:
+    """2 processes per node for the Job; 1 for the others, which read the count from the same
+    deploy.gpus_per_node (a process less per node is seconds of CPU less)."""
+    return GPUS if flavor == "job" else 1
+
+
+@pytest.mark.parametrize("flavor", [pytest.param(OWN_FLAVOR, marks=pytest.mark.render)])
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
-    # 2 processes per node for the Job; 1 for the others, which read the count from the same
-    # deploy.gpus_per_node (a process less per node is seconds of CPU less)
-    gpus = GPUS if flavor == "job" else 1
+    gpus = node_gpus(flavor)
     run_dir = tmp_path / "run"
     nodes = launch_nodes(
         hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10", gpus=gpus
@@ -302,42 +328,124 @@ def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     assert f"world size {NODES * gpus}, backend gloo" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
-def test_a_killed_worker_restarts_every_node_in_place(hosts, tmp_path):
-    """torchrun --max-restarts: one worker dies; both torchruns stop their workers (on the
-    failure, or on seeing a node wait in the rendezvous) and start new ones, which meet in a new
-    rendezvous round and resume from the newest checkpoint. No pod is lost."""
+def resolved_launches(flavor: str, gpus: int, tmp_path: Path, monkeypatch) -> list[dict]:
+    """Each node's torchrun launch, as the manifest's launch line makes it, without starting it:
+    the container's command, run by sh in the pod's env (a stand-in `<project>` notes the
+    arguments it is given), then those arguments through the launcher (in this process, with
+    torchrun's run() noting what it is given), then torchrun's own config_from_args. The launch
+    config, the rendezvous endpoint's host named as the pod it reaches."""
+    manifest, container = rendered_pods(flavor, gpus)
+    name = manifest["metadata"]["name"]
+    names = [POD_NAMES[flavor](name, i) for i in range(NODES)]
+    addresses = [f"{SUBNET}.{i + 1}" for i in range(NODES)]
+    port = 29400  # nothing listens: no launch starts
+    operator = {"pytorchjob": operator_env, "trainjob": trainer_env}.get(flavor)
+    injected = operator(manifest, port) if operator else {}
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir(exist_ok=True)
+    (stand_in / COMMAND).write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$NOTED_ARGS"\n')
+    (stand_in / COMMAND).chmod(0o755)
+    args = [
+        f"hydra.run.dir={tmp_path / 'run'}" if a.startswith("hydra.run.dir=") else a
+        for a in container["args"]
+    ]
+    given = []
+    monkeypatch.setattr(launch, "run", given.append)
+    resolved = []
+    for index in range(NODES):
+        env = {
+            **node_env(container, index, Host([], addresses[index]), port),
+            **injected,
+            **({"PET_NODE_RANK": str(index)} if flavor == "trainjob" else {}),
+        }
+        noted = tmp_path / f"{flavor}-{index}.args"
+        env["NOTED_ARGS"] = str(noted)
+        env["PATH"] = f"{stand_in}:{env['PATH']}"
+        subprocess.run([*container["command"], *args], env=env, check=True)
+        argv = noted.read_text().split("\0")[:-1]
+        os.environ.clear()
+        os.environ.update(env)  # torchrun's parser reads PET_* as it is made; restored after
+        assert launch.launch(argv) == 0
+        config, _, command = config_from_args(given[-1])
+        launched = {field.name: getattr(config, field.name) for field in fields(config)}
+        logs_specs = vars(config.logs_specs)
+        launched["logs_specs"] = {k: v for k, v in logs_specs.items() if k != "_root_log_dir"}
+        launched["command"] = command
+        # Pod 0 hosts the rendezvous: torchrun there knows the endpoint for its own by the name
+        # localhost or its hostname; the others reach it by a DNS name of pod 0.
+        host, _, rdzv_port = config.rdzv_endpoint.rpartition(":")
+        if index == 0 and host in ("localhost", names[0][0]):
+            host = "pod 0, itself"
+        elif index > 0 and host in names[0]:
+            host = "pod 0"
+        launched["rdzv_endpoint"] = f"{host}:{rdzv_port}"
+        # The address the node gives the others: its pod IP, or without --local-addr, its
+        # hostname (socket.getfqdn()), which for a PyTorchJob's pod is the name of a Service of
+        # its own (the operator's), at that IP.
+        if config.local_addr is None and flavor == "pytorchjob":
+            launched["local_addr"] = addresses[index]
+        launched["local_addr"] = {addresses[index]: "its pod IP"}.get(
+            launched["local_addr"], launched["local_addr"]
+        )
+        resolved.append(launched)
+    return resolved
+
+
+@pytest.mark.parametrize("flavor", OTHER_FLAVORS)
+def test_each_flavors_launch_line_makes_the_launch_that_trains_on_two_nodes(
+    tmp_path, monkeypatch, flavor
+):
+    """Node by node, the torchrun launch that this flavor's launch line makes is the own
+    flavor's, which trains on two nodes above: the same nodes, processes, rendezvous (at pod 0,
+    by a name Kubernetes gives it), restarts, program and overrides."""
+    gpus = node_gpus(OWN_FLAVOR)  # as it trains
+    own = resolved_launches(OWN_FLAVOR, gpus, tmp_path, monkeypatch)
+    theirs = resolved_launches(flavor, gpus, tmp_path, monkeypatch)
+    assert theirs == own
+
+
+@pytest.mark.timeout(720)  # a first checkpoint, a second, then the end: each up to 240 s
+def test_a_killed_worker_restarts_every_node_in_place_then_a_lost_node_is_replaced(hosts, tmp_path):
+    """One run, two failures, each recovered without failing a pod.
+
+    A worker dies: torchrun --max-restarts on both nodes stops its workers (on the failure, or
+    on seeing a node wait in the rendezvous) and starts new ones, which meet in a new rendezvous
+    round and resume from the newest checkpoint. No pod is lost: both torchruns live on and
+    train on to a newer checkpoint.
+
+    Then a pod dies and its controller starts a replacement with the same launch line: the
+    other node's torchrun restarts its workers into the new rendezvous round instead of failing
+    its pod, and every rank resumes from the newest checkpoint, to the end."""
     run_dir = tmp_path / "run"
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", gpus=1)
+    log = run_dir / "train.log"
+    port = free_port()
+    nodes = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, "dist.timeout_s=15", port=port, gpus=1
+    )
     wait_for_checkpoint(nodes, run_dir)
     victim = sorted(worker_pids(nodes[1].pid).values())[-1]
     os.kill(victim, signal.SIGKILL)
-    outputs = finish(nodes, timeout=240)
-    assert_resumed_and_finished(
-        nodes, outputs, run_dir, world_size=NODES
-    )  # both torchruns lived on
+    # both torchruns live on: their new workers resume, and train on to the next checkpoint
+    resumed = wait_for_checkpoint(nodes, run_dir, after_resume=1)
+    assert all(node.poll() is None for node in nodes)
+    assert victim not in worker_pids(nodes[1].pid).values() != {}
+    assert all(row["world_size"] == NODES for row in read_metrics(run_dir))
+    assert resumed.startswith("resumed from the checkpoint of step"), resumed
 
-
-@pytest.mark.timeout(480)  # a first checkpoint, then the restart: each up to 240 s
-def test_a_lost_node_is_replaced_and_the_other_resumes_in_place(hosts, tmp_path):
-    """A pod dies and its controller starts a replacement with the same launch line: the other
-    node's torchrun restarts its workers into the new rendezvous round instead of failing its
-    pod, and every rank resumes from the newest checkpoint."""
-    run_dir = tmp_path / "run"
-    port = free_port()
-    nodes = launch_nodes(
-        hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", port=port, gpus=1
-    )
-    wait_for_checkpoint(nodes, run_dir)
     # The whole pod: its workers (torchrun starts them in sessions of their own), then torchrun.
     for worker in worker_pids(nodes[1].pid).values():
         os.kill(worker, signal.SIGKILL)
     os.kill(nodes[1].pid, signal.SIGKILL)
     nodes[1].communicate()
-    replacement = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=1, port=port, gpus=1)
+    replacement = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=1, port=port, gpus=1
+    )
     survivor_and_replacement = [nodes[0], *replacement]
     outputs = finish(survivor_and_replacement, timeout=240)
-    assert_resumed_and_finished(survivor_and_replacement, outputs, run_dir, world_size=NODES)
+    assert_resumed_and_finished(
+        survivor_and_replacement, outputs, run_dir, world_size=NODES, steps=LONGER_STEPS
+    )
+    assert resume_lines(log)[1:], "the replacement's round did not resume"
 
 
 @pytest.mark.timeout(480)
