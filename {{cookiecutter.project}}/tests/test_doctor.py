@@ -24,11 +24,18 @@ def run_doctor(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture(scope="module")
+def doctor_run() -> subprocess.CompletedProcess:
+    """The doctor on this machine, for real, once: `--json` (its text report is the same report,
+    rendered: see below)."""
+    return run_doctor("--json")
+
+
 @pytest.mark.skipif(
     torch.cuda.device_count() > 0, reason="GPUs present: tests/test_gpu.py covers them"
 )
-def test_doctor_without_gpus_checks_gloo_and_says_so():
-    done = run_doctor("--json")
+def test_doctor_without_gpus_checks_gloo_and_says_so(doctor_run):
+    done = doctor_run
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert "no CUDA device is visible" in report["note"]
@@ -37,11 +44,15 @@ def test_doctor_without_gpus_checks_gloo_and_says_so():
     assert report["dev_shm_bytes"] > 0 and "lo" in report["interfaces"]
 
 
-def test_doctor_text_report_names_the_checks():
-    done = run_doctor()
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_doctor_text_report_names_the_checks(doctor_run, monkeypatch, capsys):
+    """Without --json, main prints the report of the real run above as text."""
+    assert doctor_run.returncode == 0, doctor_run.stderr[-2000:]
+    report = json.loads(doctor_run.stdout)
+    monkeypatch.setattr(doctor, "diagnose", lambda names, nproc, timeout_s: report)
+    code, out, err = doctor_main(monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     for heading in ("torch ", "InfiniBand:", "/dev/shm:", "Interfaces:", "profile", "(bus GB/s)"):
-        assert heading in done.stdout
+        assert heading in out
 
 
 # Real torchrun output, frames inside torch cut: on CPU (torch 2.13, gloo, 2 processes: rank 1
@@ -298,20 +309,38 @@ def test_a_failed_profile_row_names_the_root_cause(monkeypatch):
 
 
 @pytest.fixture
-def one_gpu(monkeypatch):
-    """A node with one GPU, as the doctor sees it; run_profile records what it was asked."""
-    node = SimpleNamespace(calls=[], init_fails=False)
+def fake_node(monkeypatch):
+    """fake_node(gpus, outcome) -> a node with `gpus` GPUs, as the doctor sees it: each profile's
+    run gives outcome(name, env), and the node's .calls records what run_profile was asked."""
 
-    def run_profile(name, env, nproc, sizes, timeout_s):
-        node.calls.append((name, nproc, sizes))
+    def make(gpus: int, outcome) -> SimpleNamespace:
+        node = SimpleNamespace(calls=[])
+
+        def run_profile(name, env, nproc, sizes, timeout_s):
+            node.calls.append((name, nproc, sizes))
+            return outcome(name, env)
+
+        monkeypatch.setattr(doctor.probe, "gpu_count", lambda: gpus)
+        monkeypatch.setattr(doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok"))
+        monkeypatch.setattr(doctor, "run_profile", run_profile)
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
+            monkeypatch.setenv(name, str(gpus))
+        return node
+
+    return make
+
+
+@pytest.fixture
+def one_gpu(fake_node):
+    """A node with one GPU whose NCCL init works, or with .init_fails, fails."""
+
+    def outcome(name, env):
         if node.init_fails:
             return doctor.ProfileResult(name, env, "fails", error="rank 0: DistBackendError: …")
         return doctor.ProfileResult(name, env, "works", init_s=0.4)
 
-    monkeypatch.setattr(doctor.probe, "gpu_count", lambda: 1)
-    monkeypatch.setattr(doctor, "run_profile", run_profile)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
-        monkeypatch.setenv(name, "1")
+    node = fake_node(1, outcome)
+    node.init_fails = False
     return node
 
 
@@ -394,7 +423,7 @@ def test_bus_bandwidth_is_nccl_tests_formula(nbytes, seconds, world, gbps):
 
 
 def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it(
-    monkeypatch, capsys
+    fake_node, monkeypatch, capsys
 ):
     measured = {
         "auto": doctor.ProfileResult("auto", {}, "works", 1.0, {"1MiB": 20.0, "64MiB": 300.0, "1024MiB": 400.0}),
@@ -402,20 +431,10 @@ def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it
         "pcie_safe": doctor.ProfileResult("pcie_safe", {}, "fails", error="rank 1: RuntimeError: boom"),
         "socket": doctor.ProfileResult("socket", {}, "hangs", error="no result within 90 s"),
     }  # fmt: skip
-    calls = []
-
-    def run_profile(name, env, nproc, sizes, timeout_s):
-        calls.append((name, nproc, sizes))
-        return measured[name]
-
-    monkeypatch.setattr(doctor.probe, "gpu_count", lambda: 2)
-    monkeypatch.setattr(doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok"))
-    monkeypatch.setattr(doctor, "run_profile", run_profile)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.setenv(name, "2")
+    node = fake_node(2, lambda name, env: measured[name])
     code, out, _ = doctor_main(monkeypatch, capsys)
     assert code == 0
-    assert calls == [(name, 2, doctor.GPU_SIZES_MIB) for name in doctor.PROFILES]
+    assert node.calls == [(name, 2, doctor.GPU_SIZES_MIB) for name in doctor.PROFILES]
     rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] == ["pcie_safe"]}
     assert rows["pcie_safe"].split()[1] == "fails"
     assert rows["pcie_safe"].endswith("   rank 1: RuntimeError: boom")
