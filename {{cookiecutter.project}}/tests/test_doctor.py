@@ -1,9 +1,11 @@
 """The doctor on a machine without GPUs: it says so, and checks gloo instead. On one GPU (faked
 here): nothing between GPUs to test. A failed launch is named by its root cause."""
 
+import contextlib
+import io
 import json
+import os
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
@@ -15,29 +17,30 @@ from conftest import PACKAGE
 from {{ cookiecutter.package }} import allreduce, doctor, probe
 
 
-def run_doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
-def doctor_run() -> subprocess.CompletedProcess:
-    """The doctor on this machine, for real, once: `--json` (its text report is the same report,
-    rendered: see below)."""
-    return run_doctor("--json")
+def doctor_run() -> tuple[int, str]:
+    """The doctor on this machine, for real, once, in this process (its all-reduces are a
+    torchrun launch): main's exit code and what it printed with --json. Its text report is the
+    same report, rendered: see below."""
+    saved, argv, printed = dict(os.environ), sys.argv, io.StringIO()
+    sys.argv = ["doctor", "--json"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = doctor.main()
+    finally:  # the doctor sets WORLD_SIZE and the like, as training would
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, printed.getvalue()
 
 
 @pytest.mark.skipif(
     torch.cuda.device_count() > 0, reason="GPUs present: tests/test_gpu.py covers them"
 )
 def test_doctor_without_gpus_checks_gloo_and_says_so(doctor_run):
-    done = doctor_run
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)
+    code, out = doctor_run
+    assert code == 0, out[-2000:]
+    report = json.loads(out)
     assert "no CUDA device is visible" in report["note"]
     (gloo,) = report["profiles"]
     assert gloo["result"] == "works" and gloo["busbw_gbps"]["64MiB"] > 0
@@ -46,8 +49,8 @@ def test_doctor_without_gpus_checks_gloo_and_says_so(doctor_run):
 
 def test_doctor_text_report_names_the_checks(doctor_run, monkeypatch, capsys):
     """Without --json, main prints the report of the real run above as text."""
-    assert doctor_run.returncode == 0, doctor_run.stderr[-2000:]
-    report = json.loads(doctor_run.stdout)
+    assert doctor_run[0] == 0, doctor_run[1][-2000:]
+    report = json.loads(doctor_run[1])
     monkeypatch.setattr(doctor, "diagnose", lambda names, nproc, timeout_s: report)
     code, out, err = doctor_main(monkeypatch, capsys)
     assert code == 0, err[-2000:]
@@ -321,7 +324,9 @@ def fake_node(monkeypatch):
             return outcome(name, env)
 
         monkeypatch.setattr(doctor.probe, "gpu_count", lambda: gpus)
-        monkeypatch.setattr(doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok"))
+        monkeypatch.setattr(
+            doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok")
+        )
         monkeypatch.setattr(doctor, "run_profile", run_profile)
         for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
             monkeypatch.setenv(name, str(gpus))

@@ -15,6 +15,7 @@ from conftest import PACKAGE, read_metrics, shared_folder, train_command
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package }} import check
 from {{ cookiecutter.package }} import evaluate as evaluate_module
 from {{ cookiecutter.package }}.config import HELD_OUT, ConfigError, TrainConfig, register_configs
 from {{ cookiecutter.package }}.data import TokenFile, build_dataset, prepare
@@ -309,7 +310,8 @@ def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_pat
     inputs, labels = train[[0, 1]]
     assert inputs.dtype == torch.long and torch.equal(inputs[:, 1:], labels[:, :-1])
     assert bytes(inputs[0].tolist()) == SAMPLE.read_bytes()[:64]
-    train_here(composed(*overrides, "trainer.max_steps=40", "trainer.log_every=20"), tmp_path / "run")
+    cfg = composed(*overrides, "trainer.max_steps=40", "trainer.log_every=20")
+    train_here(cfg, tmp_path / "run")
     losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
     assert losses[-1] < 0.7 * losses[0]
     code, _, err = run_here(tmp_path, "ckpt=run")
@@ -326,8 +328,14 @@ def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_pat
         ),
     ],
 )
-def test_an_unusable_token_file_is_one_line(tmp_path, path, message):
+def test_an_unusable_token_file_is_one_line(tmp_path, monkeypatch, capsys, path, message):
+    """python -m <pkg>.check's main, in this process."""
     (tmp_path / "tiny.bin").write_bytes(b"\x01\x00" * 20)
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check", "model=gpt", "data=tokens", f"data.path={path}"],
-                          cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["check", "model=gpt", "data=tokens", f"data.path={path}"])
+    try:
+        code = check.main()
+    except SystemExit as stop:  # config.exit_with_error
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message), err
