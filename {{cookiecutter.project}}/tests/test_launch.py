@@ -227,7 +227,8 @@ def good_run(request) -> SimpleNamespace:
     saved = checkpoint.checkpoint_paths(cwd / "run")
     stopped_at = checkpoint.step_of(saved[-1]) if saved else 0
     steps = (stopped_at // 10 + 2) * 10  # 10 to 20 steps more, a checkpoint at the last
-    done = launch(cwd, f"trainer.max_steps={steps}", *COMMON)
+    # One worker (two are the killed run's, before, and the diverging run's, below)
+    done = launch(cwd, "--nproc-per-node", "1", f"trainer.max_steps={steps}", *COMMON)
     return SimpleNamespace(cwd=cwd, workers=workers, outlived_s=outlived_s, saved=saved,
                            stopped_at=stopped_at, steps=steps, done=done)  # fmt: skip
 
@@ -246,6 +247,7 @@ def test_workers_stop_with_a_checkpoint_within_30_s_when_the_launcher_is_killed(
 
 
 def test_a_run_ends_with_the_workers_exit_code(good_run):
+    """torchrun's OMP_NUM_THREADS banner (two workers or more): see the killed worker's test."""
     cwd, done = good_run.cwd, good_run.done
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "OMP_NUM_THREADS" not in done.stderr
@@ -283,7 +285,7 @@ def test_a_killed_worker_is_named_with_its_signal_and_the_exit_passes_it_on(tmp_
     assert stderr.strip().splitlines()[-1] == (
         f"{launcher.COMMAND} train failed: rank 1 (pid {victim}) was killed by SIGKILL"
     )
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and "OMP_NUM_THREADS" not in stderr  # the launcher sets it
     assert "peer-to-peer" not in stderr  # gloo: no NCCL advice, whoever reported first
 
 
