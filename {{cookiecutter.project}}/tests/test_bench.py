@@ -20,18 +20,13 @@ from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.world import World
 
 
-def run_bench(cwd, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.bench", *args], cwd=cwd, capture_output=True,
-        text=True, timeout=900,
-    )  # fmt: skip
-
-
-def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path):
-    done = run_bench(
-        tmp_path, "--pairs", "2", "--warmup", "10", "--steps", "10", "--json", "b.json"
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, monkeypatch,
+                                                                     bench_main):  # fmt: skip
+    """The command in this process; its launch, torchrun's 2 gloo workers, for real."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = bench_main("--pairs", "2", "--warmup", "10", "--steps", "10", "--json",
+                                "b.json", launch=bench.launch)  # fmt: skip
+    assert code == 0, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["processes"] == 2 and report["pairs"] == 2 and report["parameters"] > 0
@@ -47,7 +42,7 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path):
         assert 0 < report["scaling_efficiency"][loop]["median"] <= 1  # clamped: CPUs share cores
     assert report["gradient_allreduce"]["busbw_gbps"] > 0
     assert 0 <= report["comm_hidden_share"] <= 1
-    assert "template / reference" in done.stdout and "scaling efficiency 1 -> 2" in done.stdout
+    assert "template / reference" in out and "scaling efficiency 1 -> 2" in out
 
 
 def times(template_1, reference_1, template_2, reference_2):
@@ -95,10 +90,11 @@ HEADER = {"device": "cpu", "torch": "2", "nccl": None, "nccl_profile": None, "pa
           "gradient_allreduce": {"time_ms": 5.0, "mib": 4, "busbw_gbps": 1.0}}  # fmt: skip
 
 
-def test_bench_bad_override_is_one_line_and_writes_nothing(tmp_path):
-    done = run_bench(tmp_path, "dist.bucket_cap_mb=0")
-    assert done.returncode == 2
-    assert done.stderr.strip() == "config error: dist.bucket_cap_mb=0: must be at least 1"
+def test_bench_bad_override_is_one_line_and_writes_nothing(tmp_path, monkeypatch, bench_main):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = bench_main("dist.bucket_cap_mb=0")
+    assert (code, out) == (2, "")
+    assert err.strip() == "config error: dist.bucket_cap_mb=0: must be at least 1"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -127,15 +123,16 @@ def test_gpt2_small_is_gpt2_smalls_shape(compose_train):
 
 @pytest.fixture
 def bench_main(monkeypatch, capsys):
-    """bench_main(*args) -> (exit code, stdout, stderr) of bench's main, with the launch
-    replaced by `result` (a dict) or by a failure when none is given."""
+    """bench_main(*args) -> (exit code, stdout, stderr) of bench's main, in this process, with
+    the launch replaced by `result` (a dict) or by a failure when none is given; or the real
+    one when `launch=bench.launch` is given."""
 
-    def run(*args: str, result: dict | None = None) -> tuple[int, str, str]:
-        def launch(parsed, nproc):
+    def run(*args: str, result: dict | None = None, launch=None) -> tuple[int, str, str]:
+        def canned(parsed, nproc):
             assert result is not None, "the bench launched despite a bad argument"
             return result
 
-        monkeypatch.setattr(bench, "launch", launch)
+        monkeypatch.setattr(bench, "launch", launch or canned)
         monkeypatch.setattr(sys, "argv", ["bench", *args])
         try:
             code = bench.main()

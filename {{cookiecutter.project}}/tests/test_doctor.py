@@ -1,9 +1,11 @@
 """The doctor on a machine without GPUs: it says so, and checks gloo instead. On one GPU (faked
 here): nothing between GPUs to test. A failed launch is named by its root cause."""
 
+import contextlib
+import io
 import json
+import os
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 from types import SimpleNamespace
@@ -15,33 +17,45 @@ from conftest import PACKAGE
 from {{ cookiecutter.package }} import allreduce, doctor, probe
 
 
-def run_doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.fixture(scope="module")
+def doctor_run() -> tuple[int, str]:
+    """The doctor on this machine, for real, once, in this process (its all-reduces are a
+    torchrun launch): main's exit code and what it printed with --json. Its text report is the
+    same report, rendered: see below."""
+    saved, argv, printed = dict(os.environ), sys.argv, io.StringIO()
+    sys.argv = ["doctor", "--json"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = doctor.main()
+    finally:  # the doctor sets WORLD_SIZE and the like, as training would
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, printed.getvalue()
 
 
 @pytest.mark.skipif(
     torch.cuda.device_count() > 0, reason="GPUs present: tests/test_gpu.py covers them"
 )
-def test_doctor_without_gpus_checks_gloo_and_says_so():
-    done = run_doctor("--json")
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)
+def test_doctor_without_gpus_checks_gloo_and_says_so(doctor_run):
+    code, out = doctor_run
+    assert code == 0, out[-2000:]
+    report = json.loads(out)
     assert "no CUDA device is visible" in report["note"]
     (gloo,) = report["profiles"]
     assert gloo["result"] == "works" and gloo["busbw_gbps"]["64MiB"] > 0
     assert report["dev_shm_bytes"] > 0 and "lo" in report["interfaces"]
 
 
-def test_doctor_text_report_names_the_checks():
-    done = run_doctor()
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_doctor_text_report_names_the_checks(doctor_run, monkeypatch, capsys):
+    """Without --json, main prints the report of the real run above as text."""
+    assert doctor_run[0] == 0, doctor_run[1][-2000:]
+    report = json.loads(doctor_run[1])
+    monkeypatch.setattr(doctor, "diagnose", lambda names, nproc, timeout_s: report)
+    code, out, err = doctor_main(monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     for heading in ("torch ", "InfiniBand:", "/dev/shm:", "Interfaces:", "profile", "(bus GB/s)"):
-        assert heading in done.stdout
+        assert heading in out
 
 
 # Real torchrun output, frames inside torch cut: on CPU (torch 2.13, gloo, 2 processes: rank 1
@@ -298,20 +312,40 @@ def test_a_failed_profile_row_names_the_root_cause(monkeypatch):
 
 
 @pytest.fixture
-def one_gpu(monkeypatch):
-    """A node with one GPU, as the doctor sees it; run_profile records what it was asked."""
-    node = SimpleNamespace(calls=[], init_fails=False)
+def fake_node(monkeypatch):
+    """fake_node(gpus, outcome) -> a node with `gpus` GPUs, as the doctor sees it: each profile's
+    run gives outcome(name, env), and the node's .calls records what run_profile was asked."""
 
-    def run_profile(name, env, nproc, sizes, timeout_s):
-        node.calls.append((name, nproc, sizes))
+    def make(gpus: int, outcome) -> SimpleNamespace:
+        node = SimpleNamespace(calls=[])
+
+        def run_profile(name, env, nproc, sizes, timeout_s):
+            node.calls.append((name, nproc, sizes))
+            return outcome(name, env)
+
+        monkeypatch.setattr(doctor.probe, "gpu_count", lambda: gpus)
+        monkeypatch.setattr(
+            doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok")
+        )
+        monkeypatch.setattr(doctor, "run_profile", run_profile)
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
+            monkeypatch.setenv(name, str(gpus))
+        return node
+
+    return make
+
+
+@pytest.fixture
+def one_gpu(fake_node):
+    """A node with one GPU whose NCCL init works, or with .init_fails, fails."""
+
+    def outcome(name, env):
         if node.init_fails:
             return doctor.ProfileResult(name, env, "fails", error="rank 0: DistBackendError: …")
         return doctor.ProfileResult(name, env, "works", init_s=0.4)
 
-    monkeypatch.setattr(doctor.probe, "gpu_count", lambda: 1)
-    monkeypatch.setattr(doctor, "run_profile", run_profile)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
-        monkeypatch.setenv(name, "1")
+    node = fake_node(1, outcome)
+    node.init_fails = False
     return node
 
 
@@ -394,7 +428,7 @@ def test_bus_bandwidth_is_nccl_tests_formula(nbytes, seconds, world, gbps):
 
 
 def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it(
-    monkeypatch, capsys
+    fake_node, monkeypatch, capsys
 ):
     measured = {
         "auto": doctor.ProfileResult("auto", {}, "works", 1.0, {"1MiB": 20.0, "64MiB": 300.0, "1024MiB": 400.0}),
@@ -402,20 +436,10 @@ def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it
         "pcie_safe": doctor.ProfileResult("pcie_safe", {}, "fails", error="rank 1: RuntimeError: boom"),
         "socket": doctor.ProfileResult("socket", {}, "hangs", error="no result within 90 s"),
     }  # fmt: skip
-    calls = []
-
-    def run_profile(name, env, nproc, sizes, timeout_s):
-        calls.append((name, nproc, sizes))
-        return measured[name]
-
-    monkeypatch.setattr(doctor.probe, "gpu_count", lambda: 2)
-    monkeypatch.setattr(doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok"))
-    monkeypatch.setattr(doctor, "run_profile", run_profile)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.setenv(name, "2")
+    node = fake_node(2, lambda name, env: measured[name])
     code, out, _ = doctor_main(monkeypatch, capsys)
     assert code == 0
-    assert calls == [(name, 2, doctor.GPU_SIZES_MIB) for name in doctor.PROFILES]
+    assert node.calls == [(name, 2, doctor.GPU_SIZES_MIB) for name in doctor.PROFILES]
     rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] == ["pcie_safe"]}
     assert rows["pcie_safe"].split()[1] == "fails"
     assert rows["pcie_safe"].endswith("   rank 1: RuntimeError: boom")

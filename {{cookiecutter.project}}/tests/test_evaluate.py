@@ -10,13 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PACKAGE, launch, read_metrics, shared_folder, train_command
+import torch.distributed as dist
+from conftest import PACKAGE, read_metrics, shared_folder, train_command
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package }} import check
 from {{ cookiecutter.package }} import evaluate as evaluate_module
-from {{ cookiecutter.package }}.config import HELD_OUT, ConfigError
+from {{ cookiecutter.package }}.config import HELD_OUT, ConfigError, TrainConfig, register_configs
 from {{ cookiecutter.package }}.data import TokenFile, build_dataset, prepare
 from {{ cookiecutter.package }}.model import build_model
+from {{ cookiecutter.package }}.trainer import Trainer
 from {{ cookiecutter.package }}.world import World
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
@@ -29,26 +33,47 @@ def evaluate(cwd: Path, *args: str, nproc: int = 0) -> subprocess.CompletedProce
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
+def composed(*overrides: str) -> TrainConfig:
+    """configs/train.yaml composed with `overrides`, as train composes it."""
+    register_configs()
+    with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="train", overrides=list(overrides)))
+
+
+def train_here(cfg: TrainConfig, run_dir: Path) -> None:
+    """Train as one process does, in this one, on a gloo group of its own: what is tested here
+    is what evaluate makes of the checkpoints (a launch costs seconds of CPU; test_launch.py and
+    test_resume.py launch)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a launched worker computes (OMP_NUM_THREADS=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert not Trainer(cfg, World(), torch.device("cpu"), run_dir).train()  # not stopped
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def trained(request) -> Path:
+    """60 steps, a checkpoint at 30 and 60, in outputs/<run> of its folder; scored on one
+    process and on two below."""
     cwd = shared_folder(request)
-    # trained on one process (seconds of CPU fewer); scored on one and on two below
-    done = launch(
-        cwd, "--nproc-per-node", "1", "trainer.max_steps=60", "trainer.checkpoint_every=30"
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = composed("trainer.max_steps=60", "trainer.checkpoint_every=30")
+    train_here(cfg, cwd / "outputs" / "2026-01-01_00-00-00_aaaaaa")
     return cwd
 
 
-def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained):
+def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained, run_here):
+    """Two processes launched (each scores a shard); one in this process."""
     (run_dir,) = (trained / "outputs").iterdir()
-    one = evaluate(trained, "ckpt=latest")
-    assert one.returncode == 0, one.stderr[-3000:]
+    code, out, err = run_here(trained, "ckpt=latest")
+    assert code == 0, err[-3000:]
     result = json.loads((run_dir / "eval" / "step_000000060.json").read_text())
     assert result["step"] == 60 and result["world_size"] == 1
     assert result["held_out_predictions"] == 16384 // HELD_OUT
     assert result["accuracy"] > 0.3  # 8 classes: chance is 0.125
-    assert one.stdout.strip().endswith(
+    assert out.strip().endswith(
         f"-> {(run_dir / 'eval' / 'step_000000060.json').relative_to(trained)}"
     )
     two = evaluate(
@@ -60,8 +85,8 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained):
     assert two.returncode == 0, two.stderr[-3000:]
     # Each run overwrites eval/step_000000030.json: read the two-process result before the next.
     sharded = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
-    again = evaluate(trained, f"ckpt={run_dir / 'checkpoints' / 'step_000000030.pt'}")
-    assert again.returncode == 0, again.stderr[-3000:]
+    code, _, err = run_here(trained, f"ckpt={run_dir / 'checkpoints' / 'step_000000030.pt'}")
+    assert code == 0, err[-3000:]
     whole = json.loads((run_dir / "eval" / "step_000000030.json").read_text())
     assert (sharded["world_size"], whole["world_size"]) == (2, 1)
     assert sharded["held_out_predictions"] == whole["held_out_predictions"] == 16384 // HELD_OUT
@@ -272,29 +297,25 @@ def test_held_out_data_is_never_trained_on(compose_train):
         assert not any(tuple(row.tolist()) in seen for row in held.tensors[0])
 
 
-def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_path):
+def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_path, run_here):
     tokens = tmp_path / "sample.bin"
     count = prepare(SAMPLE, tokens)
     assert count == SAMPLE.stat().st_size and tokens.stat().st_size == 2 * count
     overrides = ("model=gpt", "data=tokens", f"data.path={tokens}", "data.seq_len=64", "data.vocab_size=256",
                  "data.batch_size=8", "model.d_model=64", "model.n_layer=2", "trainer.lr=0.003")  # fmt: skip
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="train", overrides=list(overrides)))
+    cfg = composed(*overrides)
     train, held = TokenFile(cfg.data, held_out=False), TokenFile(cfg.data, held_out=True)
     sequences = (count - 1) // 64
     assert len(held) == sequences // HELD_OUT and len(train) + len(held) == sequences
     inputs, labels = train[[0, 1]]
     assert inputs.dtype == torch.long and torch.equal(inputs[:, 1:], labels[:, :-1])
     assert bytes(inputs[0].tolist()) == SAMPLE.read_bytes()[:64]
-    done = launch(tmp_path, "--nproc-per-node", "1", *overrides, "trainer.max_steps=40", "trainer.log_every=20",
-                  "hydra.run.dir=run")  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = composed(*overrides, "trainer.max_steps=40", "trainer.log_every=20")
+    train_here(cfg, tmp_path / "run")
     losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
     assert losses[-1] < 0.7 * losses[0]
-    scored = evaluate(tmp_path, "ckpt=run")
-    assert scored.returncode == 0, scored.stderr[-3000:]
+    code, _, err = run_here(tmp_path, "ckpt=run")
+    assert code == 0, err[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -307,8 +328,14 @@ def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_pat
         ),
     ],
 )
-def test_an_unusable_token_file_is_one_line(tmp_path, path, message):
+def test_an_unusable_token_file_is_one_line(tmp_path, monkeypatch, capsys, path, message):
+    """python -m <pkg>.check's main, in this process."""
     (tmp_path / "tiny.bin").write_bytes(b"\x01\x00" * 20)
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check", "model=gpt", "data=tokens", f"data.path={path}"],
-                          cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["check", "model=gpt", "data=tokens", f"data.path={path}"])
+    try:
+        code = check.main()
+    except SystemExit as stop:  # config.exit_with_error
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message), err

@@ -185,47 +185,93 @@ def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser()
     assert options == args[:6] and overrides == ["trainer.lr=0.1", "hydra.run.dir=x"]
 
 
+def start(tmp_path: Path, *args: str, options: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_command(*options, "trainer.max_steps=100000000", "trainer.log_every=5", "hydra.run.dir=run", *args),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists() and not zombie(pid)]
+
+
 COMMON = ("trainer.checkpoint_every=10", "trainer.log_every=5", "hydra.run.dir=run")
 
 
 @pytest.fixture(scope="module")
-def good_run(request) -> tuple[Path, subprocess.CompletedProcess]:
-    """20 steps under the launcher, a checkpoint every 10: its folder, and how it ended."""
-    tmp_path = shared_folder(request)
-    return tmp_path, launch(tmp_path, "trainer.max_steps=20", *COMMON)
+def good_run(request) -> SimpleNamespace:
+    """Two launches in one folder (each costs seconds of CPU): a run whose launcher is
+    SIGKILLed, its workers left to stop on their own; then, resumed from what they saved, a good
+    run to a round step under the launcher, a checkpoint every 10 steps."""
+    cwd = shared_folder(request)
+    process = start(cwd, "trainer.checkpoint_every=100000")  # the stop's checkpoint alone
+    wait_for_metrics(process, cwd / "run")
+    workers = list(worker_pids(process.pid).values())
+    os.kill(process.pid, signal.SIGKILL)
+    killed_at, outlived_s = time.monotonic(), 0.0
+    while alive(workers) and outlived_s < 30:  # the last time they were seen alive
+        outlived_s = time.monotonic() - killed_at
+        time.sleep(0.2)
+    for pid in alive(workers):  # failed, below: end them here, not at the end of the session
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+    saved = checkpoint.checkpoint_paths(cwd / "run")
+    stopped_at = checkpoint.step_of(saved[-1]) if saved else 0
+    steps = (stopped_at // 10 + 2) * 10  # 10 to 20 steps more, a checkpoint at the last
+    # One worker (two are the killed run's, before, and the diverging run's, below)
+    done = launch(cwd, "--nproc-per-node", "1", f"trainer.max_steps={steps}", *COMMON)
+    return SimpleNamespace(cwd=cwd, workers=workers, outlived_s=outlived_s, saved=saved,
+                           stopped_at=stopped_at, steps=steps, done=done)  # fmt: skip
+
+
+def test_workers_stop_with_a_checkpoint_within_30_s_when_the_launcher_is_killed(good_run):
+    """SIGKILL leaves torchrun no time to stop its workers: they notice they were orphaned,
+    agree on a step, checkpoint it and exit, instead of training on unsupervised; the run
+    resumes from that step."""
+    assert len(good_run.workers) == 2
+    assert good_run.outlived_s < 30, "workers outlived their launcher by 30 s"
+    (saved,) = good_run.saved  # the stop's: the periodic ones are off
+    step = checkpoint.step_of(saved)
+    resumed = good_run.done
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from the checkpoint of step {step}" in resumed.stdout
 
 
 def test_a_run_ends_with_the_workers_exit_code(good_run):
-    cwd, done = good_run
+    """torchrun's OMP_NUM_THREADS banner (two workers or more): see the killed worker's test."""
+    cwd, done = good_run.cwd, good_run.done
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "OMP_NUM_THREADS" not in done.stderr
-    assert read_metrics(cwd / "run")[-1]["step"] == 20
+    assert read_metrics(cwd / "run")[-1]["step"] == good_run.steps
 
 
 def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(good_run, tmp_path):
     """trainer.lr=1e30 passes the check (it is finite) and blows the weights up at once: the run
     ends at its first log window in one line, exit 4, the earlier checkpoints as they were."""
-    assert good_run[1].returncode == 0
-    shutil.copytree(good_run[0] / "run", tmp_path / "run")
+    assert good_run.done.returncode == 0
+    shutil.copytree(good_run.cwd / "run", tmp_path / "run")
     good = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
-    done = launch(tmp_path, "trainer.max_steps=60", "trainer.lr=1e30",
+    last = good_run.steps  # the good run's last step, and its newest checkpoint
+    done = launch(tmp_path, f"trainer.max_steps={last + 40}", "trainer.lr=1e30",
                   "trainer.accept_changes=[trainer.lr]", *COMMON)  # fmt: skip
     assert done.returncode == 4
     assert stderr_lines(done.stderr) == [
-        "training diverged: step 25: the loss is not finite; nothing was saved from it. Lower "
-        "trainer.lr (now 1e+30) or set trainer.max_grad_norm, and resume from step_000000020.pt: "
-        "relaunch with the same hydra.run.dir, the new value and trainer.accept_changes=[trainer.lr]"
+        f"training diverged: step {last + 5}: the loss is not finite; nothing was saved from it. "
+        f"Lower trainer.lr (now 1e+30) or set trainer.max_grad_norm, and resume from "
+        f"step_{last:09d}.pt: relaunch with the same hydra.run.dir, the new value and "
+        "trainer.accept_changes=[trainer.lr]"
     ]
     after = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
     assert after == good
-
-
-def start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        launch_command("trainer.max_steps=100000000", "trainer.log_every=5", "hydra.run.dir=run", *args),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
 
 
 @pytest.mark.timeout(240)
@@ -239,49 +285,20 @@ def test_a_killed_worker_is_named_with_its_signal_and_the_exit_passes_it_on(tmp_
     assert stderr.strip().splitlines()[-1] == (
         f"{launcher.COMMAND} train failed: rank 1 (pid {victim}) was killed by SIGKILL"
     )
-    assert "Traceback" not in stderr
+    assert "Traceback" not in stderr and "OMP_NUM_THREADS" not in stderr  # the launcher sets it
     assert "peer-to-peer" not in stderr  # gloo: no NCCL advice, whoever reported first
 
 
 @pytest.mark.timeout(240)
 def test_sigterm_checkpoints_and_the_launcher_says_so(tmp_path):
-    process = start(tmp_path)
+    """One worker: every rank stopping at one step is test_resume.py's (two processes)."""
+    process = start(tmp_path, options=("--nproc-per-node", "1"))
     wait_for_metrics(process, tmp_path / "run")
     process.send_signal(signal.SIGTERM)  # what Kubernetes sends to the container's PID 1
     _, stderr = process.communicate(timeout=90)
     assert process.returncode == 128 + signal.SIGTERM
     assert stderr.strip().splitlines()[-1] == f"{launcher.COMMAND} train: stopped by SIGTERM"
     assert checkpoint.checkpoint_paths(tmp_path / "run"), "no checkpoint at the stop"
-
-
-@pytest.mark.timeout(240)
-def test_workers_stop_with_a_checkpoint_within_30_s_when_the_launcher_is_killed(tmp_path):
-    """SIGKILL leaves torchrun no time to stop its workers: they notice they were orphaned,
-    agree on a step, checkpoint it and exit, instead of training on unsupervised."""
-    process = start(tmp_path, "trainer.checkpoint_every=100000")
-    wait_for_metrics(process, tmp_path / "run")
-    workers = list(worker_pids(process.pid).values())
-    assert len(workers) == 2
-    os.kill(process.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    while any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in workers):
-        assert time.monotonic() - killed_at < 30, "workers outlived their launcher by 30 s"
-        time.sleep(0.2)
-    process.communicate(timeout=30)
-    (saved,) = checkpoint.checkpoint_paths(
-        tmp_path / "run"
-    )  # the stop's: the periodic ones are off
-    step = checkpoint.step_of(saved)
-    resumed = launch(tmp_path, f"trainer.max_steps={step + 5}", "hydra.run.dir=run")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from the checkpoint of step {step}" in resumed.stdout
-
-
-def zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_the_summary_blames_the_cause_not_its_consequences():
