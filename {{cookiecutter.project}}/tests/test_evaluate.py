@@ -17,7 +17,12 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import check
 from {{ cookiecutter.package }} import evaluate as evaluate_module
-from {{ cookiecutter.package }}.config import HELD_OUT, ConfigError, TrainConfig, register_configs
+from {{ cookiecutter.package }}.config import (
+    HELD_OUT,
+    ConfigError,
+    TrainConfig,
+    register_configs,
+)
 from {{ cookiecutter.package }}.data import TokenFile, build_dataset, prepare
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import Trainer
