@@ -279,6 +279,23 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     assert describe(failure.value) == where + ("" if message.startswith(":") else ", ") + message
 
 
+def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):
+    """config.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
+    against OmegaConf's own loader on every file the project ships and on each refused above."""
+    from {{ cookiecutter.package }}.config import hydras_yaml_loaders
+
+    fast, exact = hydras_yaml_loaders()
+    assert fast is not exact  # PyYAML's wheels carry libyaml
+    for path in sorted(configs_copy.rglob("*.yaml")):
+        text = path.read_text()
+        assert yaml.load(text, Loader=fast) == yaml.load(text, Loader=exact), path
+    for text, _ in NOT_YAML[:3]:
+        for loader in (fast, exact):
+            with pytest.raises(yaml.YAMLError):
+                yaml.load(text.decode(), Loader=loader)
+    assert type(yaml.load("a: 1e3\n", Loader=fast)["a"]) is float  # YAML 1.1 reads a string
+
+
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
     from {{ cookiecutter.package }}.check import load_config
     from {{ cookiecutter.package }}.config import ConfigError
