@@ -11,6 +11,7 @@ ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
 # The renderer needs only the standard library and PyYAML (a dependency of cookiecutter).
 sys.path.insert(0, "src")
+sys.dont_write_bytecode = True  # a new project holds what was rendered: no __pycache__ in src/
 k8s = importlib.import_module(f"{ANSWERS['package']}.k8s")
 try:
     rendered = k8s.from_files(Path("configs"), ANSWERS["nccl_profile"])

@@ -16,6 +16,10 @@ import yaml
 from cookiecutter.main import cookiecutter
 from no_skips import pytest_runtest_makereport  # noqa: F401  (the hook: a skip fails in CI)
 
+# The renders this process imports (test_render's load_module) stay as rendered. Its
+# subprocesses write bytecode (the Makefile's environments come without it).
+sys.dont_write_bytecode = True
+
 TEMPLATE = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEFAULTS = json.loads((TEMPLATE / "cookiecutter.json").read_text())
