@@ -47,6 +47,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+@pytest.fixture
+def launcher_state(monkeypatch):
+    """launch.main() in this process names the run and sizes the world in os.environ, and
+    installs signal handlers: all undone after each test."""
+    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def no_torchrun(monkeypatch) -> None:
+    """launch.main() in this process stops before torchrun, or the test fails."""
+    from {{ cookiecutter.package }} import launch
+
+    monkeypatch.setattr(launch, "run", lambda parsed: pytest.fail("torchrun was started"))
+
+
 def deploy_defaults() -> dict:
     """configs/deploy/default.yaml: the flavor, nodes and GPUs that k8s/ was rendered for."""
     return yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())

@@ -16,6 +16,7 @@ from conftest import (
     PACKAGE,
     launch,
     launch_command,
+    no_torchrun,
     read_metrics,
     shared_folder,
     wait_for_metrics,
@@ -29,18 +30,7 @@ from {{ cookiecutter.package }} import launch as launcher
 
 TORCHRUN = get_args_parser()
 
-
-@pytest.fixture(autouse=True)
-def launcher_state(monkeypatch):
-    """launch.main() in this process names the run and sizes the world in os.environ, and
-    installs signal handlers: all undone after each test."""
-    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
+pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
 
 
 def stderr_lines(stderr: str) -> list[str]:
@@ -122,7 +112,7 @@ def test_a_torchrun_option_that_cannot_work_is_one_line_naming_it(
     """Each of these gave torchrun's ZeroDivisionError, ValueError, AssertionError or argparse's
     usage block, or a world of -1 processes."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     code = launcher.main(["train", *args])
     out, err = capsys.readouterr()
     assert code == 2
@@ -136,7 +126,7 @@ def test_an_option_from_the_environment_is_named_by_its_variable(tmp_path, monke
     """Operators pass torchrun its options in PET_* variables: the line names the variable."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "0")
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     assert launcher.main(["train"]) == 2
     assert capsys.readouterr().err.startswith(
         f"{launcher.COMMAND} train: PET_NPROC_PER_NODE=0: must be a number of processes"
@@ -149,7 +139,7 @@ def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, capsy
     `run dir`: here a file, which it must refuse."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run dir").write_text("not a dir")
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     with pytest.raises(SystemExit) as stop:
         launcher.main(["train", "--nproc-per-node", "1", f"hydra.run.dir={quoted}"])
     assert stop.value.code == 2
@@ -440,7 +430,7 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
         return config
 
     monkeypatch.setattr(launcher.check, "load_or_exit", signalled)
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
     assert code == 128 + signum
     assert stderr_lines(capsys.readouterr().err) == [

@@ -4,14 +4,20 @@ can be written; each refusal one line, with nothing in the run dir changed."""
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 
 import conftest
 import pytest
-from conftest import PACKAGE, launch_command, read_metrics, shared_folder, wait_for_metrics
+from conftest import (
+    PACKAGE,
+    launch_command,
+    no_torchrun,
+    read_metrics,
+    shared_folder,
+    wait_for_metrics,
+)
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
@@ -19,18 +25,7 @@ from {{ cookiecutter.package }} import check, checkpoint, rundir
 from {{ cookiecutter.package }} import launch as launcher
 from {{ cookiecutter.package }}.config import register_configs
 
-
-@pytest.fixture(autouse=True)
-def launcher_state(monkeypatch):
-    """launch.main() in this process names the run and sizes the world in os.environ, and
-    installs signal handlers: all undone after each test."""
-    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
+pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
 
 
 # One process per launch: what is checked here does not depend on the world size, and each
@@ -52,7 +47,7 @@ def launcher_refusal(cwd, monkeypatch, capsys, *overrides: str) -> tuple[int, st
     """`<project> train --nproc-per-node 1 <overrides>` in this process, where the launcher
     refuses before torchrun starts: (its exit code, its stderr)."""
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         launcher.main(["train", "--nproc-per-node", "1", *overrides])
@@ -228,7 +223,7 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_start
     """trainer.max_steps=5 on a run at step 10 ended at once, looking resumed. In this process:
     the launcher refuses it before torchrun starts."""
     monkeypatch.chdir(trained)
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     before = snapshot(trained / "run")
     with pytest.raises(SystemExit) as stop:
         launcher.main(
@@ -441,7 +436,7 @@ def test_a_hostile_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, over
     monkeypatch.chdir(tmp_path)
     make(tmp_path)
     before = sorted(tmp_path.rglob("*"))
-    monkeypatch.setattr(launcher, "run", lambda parsed: pytest.fail("torchrun was started"))
+    no_torchrun(monkeypatch)
     with pytest.raises(SystemExit) as stop:
         launcher.main(["train", "--nproc-per-node", "1", override])
     assert stop.value.code == 2
