@@ -363,8 +363,12 @@ def resolved_launches(flavor: str, gpus: int, tmp_path: Path, monkeypatch) -> li
         env["PATH"] = f"{stand_in}:{env['PATH']}"
         subprocess.run([*container["command"], *args], env=env, check=True)
         argv = noted.read_text().split("\0")[:-1]
-        os.environ.clear()
-        os.environ.update(env)  # torchrun's parser reads PET_* as it is made; restored after
+        # torchrun's parser reads PET_* as it is made: this process gets the pod's env, put back
+        # by monkeypatch when the test ends (launcher_state: what launch() adds)
+        for name in set(os.environ) - set(env):
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         assert launch.launch(argv) == 0
         config, _, command = config_from_args(given[-1])
         launched = {field.name: getattr(config, field.name) for field in fields(config)}
@@ -391,6 +395,7 @@ def resolved_launches(flavor: str, gpus: int, tmp_path: Path, monkeypatch) -> li
     return resolved
 
 
+@pytest.mark.usefixtures("launcher_state")
 @pytest.mark.parametrize("flavor", OTHER_FLAVORS)
 def test_each_flavors_launch_line_makes_the_launch_that_trains_on_two_nodes(
     tmp_path, monkeypatch, flavor
