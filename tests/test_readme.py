@@ -196,6 +196,7 @@ PLACEHOLDERS = {
     "<GPUs>": "2",
     "<deploy.nodes>": "2",
     "<deploy.max_restarts>": "3",
+    "<deploy.rdzv_timeout_s>": "900",
     "deploy.image=<name>@sha256:<digest>": "deploy.image=ghcr.io/your-org/{project}@sha256:" + "0" * 64,
     "deploy.image=...": "deploy.image=ghcr.io/your-org/{project}:0.2.0",
     "data.path=...": "data.path=data/sample.bin",

@@ -41,6 +41,8 @@ BAD = [
         "deploy.flavor=trainjob deploy.rdzv_port=29400",
         "deploy.rdzv_port=29400: a TrainJob's rendezvous port is Trainer's 29500",
     ),
+    ("deploy.rdzv_timeout_s=9", "deploy.rdzv_timeout_s=9: must be 10 to 86400 seconds (a day)"),
+    ("deploy.rdzv_timeout_s=86401", "deploy.rdzv_timeout_s=86401: must be 10 to 86400 seconds"),
     ("deploy.ttl_after_finished_s=-1", "deploy.ttl_after_finished_s=-1: must be null (keep) or"),
     ("deploy.active_deadline_s=0", "deploy.active_deadline_s=0: must be null (no limit) or"),
     (
@@ -224,3 +226,37 @@ def test_a_trainjob_sets_none_of_the_env_trainer_reserves(compose_train):
     trainer = objects(compose_train, "deploy.flavor=trainjob")["trainjob.yaml"]["spec"]["trainer"]
     assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]
     assert trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+
+
+@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+def test_the_rendezvous_timeout_reaches_each_flavors_torchrun(compose_train, flavor):
+    """deploy.rdzv_timeout_s, at least 10 minutes by default, becomes torchrun's --rdzv-conf in
+    each flavor's launch line; a PyTorchJob's operator passes elasticPolicy.rdzvConf to torchrun
+    as PET_RDZV_CONF. tests/test_multinode.py shows that torchrun keeps to it."""
+    seconds = deploy_defaults()["rdzv_timeout_s"]
+    assert seconds >= 600
+    pod, workload = pod_and_workload(
+        objects(compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2"), flavor
+    )
+    expected = f"join_timeout={seconds},read_timeout={seconds}"
+    if flavor == "pytorchjob":
+        conf = workload["spec"]["elasticPolicy"]["rdzvConf"]
+        assert ",".join(f"{pair['key']}={pair['value']}" for pair in conf) == expected
+        return
+    args = (
+        workload["spec"]["trainer"]["args"]
+        if flavor == "trainjob"
+        else pod["containers"][0]["args"]
+    )
+    assert args[args.index("--rdzv-conf") + 1] == expected
+
+
+def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
+    """Without deploy.queue, pods that start hold their GPUs while one stays Pending: k8s says
+    so for several nodes (tests/test_project_files.py), not for one, nor with a queue."""
+    assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=2")).startswith("note: 2 pods")
+    assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
+    assert (
+        k8s.admission_note(deploy_of(compose_train, "deploy.nodes=2", "deploy.queue=team-a"))
+        is None
+    )

@@ -140,12 +140,17 @@ def hosts() -> Iterator:
         pytest.skip("needs network namespaces or `unshare --mount --uts` (root)")
 
 
-def rendered_pods(flavor: str, gpus: int) -> dict:
+def rendered_pods(flavor: str, gpus: int, *deploy: str) -> dict:
     """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, rendered
-    as `python -m <pkg>.k8s` renders it for NODES nodes; in this process, because that command
-    writes its overrides into the project's configs/."""
+    as `python -m <pkg>.k8s` renders it for NODES nodes, with the `deploy` overrides; in this
+    process, because that command writes its overrides into the project's configs/."""
     config = check.load_config(
-        [f"deploy.flavor={flavor}", f"deploy.nodes={NODES}", f"deploy.gpus_per_node={gpus}"],
+        [
+            f"deploy.flavor={flavor}",
+            f"deploy.nodes={NODES}",
+            f"deploy.gpus_per_node={gpus}",
+            *deploy,
+        ],
         this_node=False,
     )
     deploy, profile = k8s.deploy_and_profile(config)
@@ -164,6 +169,7 @@ def operator_env(pytorchjob: dict, port: int) -> dict[str, str]:
         "PET_RDZV_BACKEND": policy["rdzvBackend"],
         "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
         "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+        "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy.get("rdzvConf", [])),
         "PET_RDZV_ID": policy["rdzvId"],
         "PET_NPROC_PER_NODE": spec["nprocPerNode"],
     }
@@ -216,10 +222,12 @@ def launch_nodes(
     port: int | None = None,
     gpus: int = GPUS,
     devices: list[str] | None = None,
+    deploy: tuple[str, ...] = (),
 ) -> list[subprocess.Popen]:
-    """Every node (or node `only`), started with the manifest's command, args and env;
-    devices[i] is node i's CUDA_VISIBLE_DEVICES, as the device plugin would give its pod."""
-    manifest, container = rendered_pods(flavor, gpus)
+    """Every node (or node `only`), started with the manifest's command, args and env, rendered
+    with the `deploy` overrides; devices[i] is node i's CUDA_VISIBLE_DEVICES, as the device
+    plugin would give its pod."""
+    manifest, container = rendered_pods(flavor, gpus, *deploy)
     name = manifest["metadata"]["name"]
     args = [
         f"hydra.run.dir={run_dir}" if a.startswith("hydra.run.dir=") else a
@@ -409,24 +417,56 @@ def test_each_flavors_launch_line_makes_the_launch_that_trains_on_two_nodes(
     assert theirs == own
 
 
-@pytest.mark.timeout(720)  # a first checkpoint, a second, then the end: each up to 240 s
-def test_a_killed_worker_restarts_every_node_in_place_then_a_lost_node_is_replaced(hosts, tmp_path):
-    """One run, two failures, each recovered without failing a pod.
+def pod_failure_verdict(job: dict, exit_code: int, disrupted: bool) -> str:
+    """What the Job controller does with a pod that failed with `exit_code`, with the condition
+    DisruptionTarget when `disrupted` (a preemption, eviction or drain), by the Job's
+    podFailurePolicy: the action of the first rule that matches, else Count (against
+    backoffLimit), as Kubernetes' Job controller decides it."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return rule["action"]
+        conditions = rule.get("onPodConditions", [])
+        if disrupted and {"type": "DisruptionTarget", "status": "True"} in conditions:
+            return rule["action"]
+    return "Count"
+
+
+def lose_pod(node: subprocess.Popen) -> int:
+    """The whole pod, as a preemption ends it: its workers (torchrun starts them in sessions of
+    their own), then torchrun. Returns the container's exit code."""
+    for worker in worker_pids(node.pid).values():
+        os.kill(worker, signal.SIGKILL)
+    os.kill(node.pid, signal.SIGKILL)
+    node.communicate()
+    return 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(900)  # a first checkpoint, then one after each of three resumes, then the end
+def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_cost_nothing(
+    hosts, tmp_path
+):
+    """One run, three failures, each recovered without a failure the Job counts.
 
     A worker dies: torchrun --max-restarts on both nodes stops its workers (on the failure, or
     on seeing a node wait in the rendezvous) and starts new ones, which meet in a new rendezvous
     round and resume from the newest checkpoint. No pod is lost: both torchruns live on and
     train on to a newer checkpoint.
 
-    Then a pod dies and its controller starts a replacement with the same launch line: the
-    other node's torchrun restarts its workers into the new rendezvous round instead of failing
-    its pod, and every rank resumes from the newest checkpoint, to the end."""
+    Then pod 1 is lost, and its controller starts a replacement with the same launch line: the
+    other node's torchrun restarts its workers into the new rendezvous round, to a newer
+    checkpoint.
+
+    Then pod 0, which hosts the rendezvous, is lost, and its replacement starts seconds later:
+    the survivor's launcher joins the replacement's rendezvous instead of failing its pod, and
+    every rank resumes from the newest checkpoint, to the end. The lost pods' exits are ignored
+    by the rendered podFailurePolicy; no other pod fails."""
     run_dir = tmp_path / "run"
     log = run_dir / "train.log"
     port = free_port()
-    nodes = launch_nodes(
-        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, "dist.timeout_s=15", port=port, gpus=1
-    )
+    deploy = ("deploy.rdzv_timeout_s=60",)  # the replacement of pod 0 starts within it
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, "dist.timeout_s=15",
+                         port=port, gpus=1, deploy=deploy)  # fmt: skip
     wait_for_checkpoint(nodes, run_dir)
     victim = sorted(worker_pids(nodes[1].pid).values())[-1]
     os.kill(victim, signal.SIGKILL)
@@ -437,20 +477,65 @@ def test_a_killed_worker_restarts_every_node_in_place_then_a_lost_node_is_replac
     assert all(row["world_size"] == NODES for row in read_metrics(run_dir))
     assert resumed.startswith("resumed from the checkpoint of step"), resumed
 
-    # The whole pod: its workers (torchrun starts them in sessions of their own), then torchrun.
-    for worker in worker_pids(nodes[1].pid).values():
-        os.kill(worker, signal.SIGKILL)
-    os.kill(nodes[1].pid, signal.SIGKILL)
-    nodes[1].communicate()
-    replacement = launch_nodes(
-        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=1, port=port, gpus=1
+    lost = [lose_pod(nodes[1])]
+    (replacement,) = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=1,
+                                  port=port, gpus=1, deploy=deploy)  # fmt: skip
+    nodes = [nodes[0], replacement]
+    assert wait_for_checkpoint(nodes, run_dir, after_resume=2), (
+        "the replacement's round did not resume"
     )
-    survivor_and_replacement = [nodes[0], *replacement]
-    outputs = finish(survivor_and_replacement, timeout=240)
-    assert_resumed_and_finished(
-        survivor_and_replacement, outputs, run_dir, world_size=NODES, steps=LONGER_STEPS
-    )
-    assert resume_lines(log)[1:], "the replacement's round did not resume"
+
+    lost.append(lose_pod(nodes[0]))
+    time.sleep(5)  # a replacement pod takes seconds to be scheduled and start
+    (replacement,) = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=0,
+                                  port=port, gpus=1, deploy=deploy)  # fmt: skip
+    nodes = [replacement, nodes[1]]
+    outputs = finish(nodes, timeout=240)
+    assert_resumed_and_finished(nodes, outputs, run_dir, world_size=NODES, steps=LONGER_STEPS)
+    assert len(resume_lines(log)) >= 3, "pod 0's replacement's round did not resume"
+    joined = re.findall(r"lost the rendezvous at .*", outputs[1])
+    assert len(joined) == 1 and "joining its replacement's, for up to 60 s" in joined[0], outputs[
+        1
+    ][-3000:]
+    job, _ = rendered_pods("job", 1, *deploy)
+    assert [pod_failure_verdict(job, code, disrupted=True) for code in lost] == ["Ignore", "Ignore"]
+
+
+@pytest.mark.timeout(120)
+def test_a_pod_alone_past_deploy_rdzv_timeout_s_ends_in_one_line_naming_it(hosts, tmp_path):
+    """Pod 1 with no pod 0 to reach, and pod 0 with no pod 1 to join it (each with a rendezvous
+    of its own): each ends after deploy.rdzv_timeout_s, not torchrun's 60 or 600 s, in one line
+    that names the setting."""
+    deploy = ("deploy.rdzv_timeout_s=10",)
+    started = time.monotonic()
+    alone = [
+        node
+        for index in (0, 1)
+        for node in launch_nodes(
+            hosts,
+            "job",
+            tmp_path,
+            tmp_path / f"run{index}",
+            "trainer.max_steps=20",
+            only=index,
+            port=free_port(),
+            gpus=1,
+            deploy=deploy,
+        )  # fmt: skip
+    ]
+    outputs = finish(alone, timeout=90)
+    assert time.monotonic() - started < 50, outputs  # torch's own timeouts: 600 s, 60 s
+    assert [node.returncode for node in alone] == [1, 1], outputs
+    host, peer = (output.strip().splitlines() for output in outputs)
+    assert len(host) == 1 and re.fullmatch(
+        rf"{COMMAND} train: the rendezvous at localhost:\d+ did not gather its 2 nodes within 10 s "
+        r"\(--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/\): a node has not started", host[0]
+    ), host  # fmt: skip
+    assert len(peer) == 1 and re.match(
+        rf"{COMMAND} train: could not reach the rendezvous at {COMMAND}-0.{COMMAND}:\d+ within 10 s "
+        r"\(--rdzv-conf read_timeout; deploy.rdzv_timeout_s in k8s/\): the node that hosts it "
+        r"\(pod 0\) has not started, or its port is closed to this node \(The client socket has timed out", peer[0]
+    ), peer  # fmt: skip
 
 
 @pytest.mark.timeout(480)

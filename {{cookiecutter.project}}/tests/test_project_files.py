@@ -67,6 +67,9 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     assert done.returncode == 0, done.stderr
     deploy_file = project / "configs" / "deploy" / "default.yaml"
     assert f"wrote deploy.nodes=2 -> {deploy_file}" in done.stdout
+    assert done.stdout.splitlines()[-1].startswith(
+        "note: 2 pods and no deploy.queue: nothing admits them together"
+    )
     deploy = yaml.safe_load(deploy_file.read_text())
     assert (deploy["nodes"], deploy["image"]) == (2, "ghcr.io/acme/x:2.0")
     assert any(

@@ -514,6 +514,7 @@ class DeployConfig:
     runs_storage: str = MISSING
     backoff_limit: int = MISSING
     max_restarts: int = MISSING
+    rdzv_timeout_s: int = MISSING
     ttl_after_finished_s: Optional[int] = MISSING
     active_deadline_s: Optional[int] = MISSING
     tolerations: List[Dict[str, Any]] = MISSING

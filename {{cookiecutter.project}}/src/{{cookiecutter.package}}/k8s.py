@@ -70,6 +70,7 @@ TRAINJOB_RUNTIME = "torch-distributed"
 TRAINER_NODE = "node"
 TRAINER_PORT = 29500
 TRAINJOB_LAUNCH = c10d_launch("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+RDZV_TIMEOUT_MAX = 86400
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue admits the job through this LocalQueue
 # The root filesystem is read-only. Processes write to the run dir (the claim), /dev/shm, and
 # /tmp (an emptyDir), where HOME points so that torch, triton and matplotlib keep their caches.
@@ -244,6 +245,10 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     )  # fmt: skip
     check(whole_number(deploy["backoff_limit"], 0), "backoff_limit", "must be 0 or more")
     check(whole_number(deploy["max_restarts"], 0), "max_restarts", "must be 0 or more")
+    check(
+        whole_number(deploy["rdzv_timeout_s"], 10, RDZV_TIMEOUT_MAX),
+        "rdzv_timeout_s", f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
+    )  # fmt: skip
     ttl, deadline = deploy["ttl_after_finished_s"], deploy["active_deadline_s"]
     check(
         ttl is None or whole_number(ttl, 0),
@@ -339,6 +344,19 @@ def rendezvous_host(deploy: Mapping[str, Any]) -> str:
     return f"{name}-0.{name}"
 
 
+def rendezvous_timeouts(deploy: Mapping[str, Any]) -> dict[str, str]:
+    """torchrun's c10d rendezvous timeouts (--rdzv-conf): read_timeout, how long a node keeps
+    trying to reach the store on pod 0, and join_timeout, how long a round waits for every node.
+    At torchrun's defaults a pod 0 that started a minute late, or a lost pod 0 whose replacement
+    took a minute to start, failed every other pod."""
+    seconds = str(deploy["rdzv_timeout_s"])
+    return {"join_timeout": seconds, "read_timeout": seconds}
+
+
+def rdzv_conf(deploy: Mapping[str, Any]) -> str:
+    return ",".join(f"{key}={value}" for key, value in rendezvous_timeouts(deploy).items())
+
+
 POD_IP = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
@@ -351,12 +369,13 @@ def launch(deploy: Mapping[str, Any]) -> tuple[list[str], list[str], list[dict]]
     train = [f"hydra.run.dir={RUNS_MOUNT}/{name}"]
     processes = ["--nproc-per-node", str(gpus)]
     restarts = ["--max-restarts", str(deploy["max_restarts"])]
+    rendezvous = ["--rdzv-id", name, "--rdzv-conf", rdzv_conf(deploy)]
     if deploy["flavor"] == "pytorchjob":
         # The operator's PET_* env (elasticPolicy) gives torchrun the c10d rendezvous on worker 0,
         # --nnodes and --max-restarts; older operators set PET_NPROC_PER_NODE only with a Master.
         return [COMMAND, "train"], [*processes, *train], []
     if deploy["flavor"] == "trainjob":  # --nnodes and --nproc-per-node: Trainer's PET_* env
-        args = ["--rdzv-id", name, *restarts, *train]
+        args = [*rendezvous, *restarts, *train]
         return ["/bin/sh", "-c", TRAINJOB_LAUNCH, COMMAND], args, [POD_IP]
     if nodes == 1:
         return [COMMAND, "train"], ["--standalone", *processes, *restarts, *train], []
@@ -367,7 +386,7 @@ def launch(deploy: Mapping[str, Any]) -> tuple[list[str], list[str], list[dict]]
         {"name": "RDZV_HOST", "value": rendezvous_host(deploy)},  # pod 0, through DNS
         {"name": "RDZV_PORT", "value": str(deploy["rdzv_port"])},
     ]
-    args = ["--nnodes", str(nodes), *processes, "--rdzv-id", name, *restarts, *train]
+    args = ["--nnodes", str(nodes), *processes, *rendezvous, *restarts, *train]
     return ["/bin/sh", "-c", MULTI_NODE_LAUNCH, COMMAND], args, env
 
 
@@ -536,6 +555,7 @@ def pytorchjob(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
             "minReplicas": nodes,  # a fixed world: no autoscaling
             "maxReplicas": nodes,
             "maxRestarts": deploy["max_restarts"],
+            "rdzvConf": [{"key": k, "value": v} for k, v in rendezvous_timeouts(deploy).items()],
         },
         "runPolicy": {
             "backoffLimit": deploy["backoff_limit"] * nodes,  # a failure on one node restarts all
@@ -685,6 +705,16 @@ def manifests(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, st
         + yaml.dump(manifest, Dumper=Dumper, sort_keys=False, width=100)
         for file, manifest in sorted(objects.items())
     }
+
+
+def admission_note(deploy: Mapping[str, Any]) -> str | None:
+    """Several pods with nothing to admit them together: the line that says what that risks."""
+    if deploy["nodes"] == 1 or deploy["queue"] is not None:
+        return None
+    return (f"note: {deploy['nodes']} pods and no deploy.queue: nothing admits them together, so "
+            f"the pods that start hold their GPUs while they wait, up to deploy.rdzv_timeout_s="
+            f"{deploy['rdzv_timeout_s']} s, for one that stays Pending; set deploy.queue to a Kueue "
+            "LocalQueue to admit them as one")  # fmt: skip
 
 
 def from_files(configs: Path, profile: str) -> dict[str, str]:
@@ -901,6 +931,9 @@ def main() -> int:
             print(f"wrote {line}")
     write(rendered, args.out)
     print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
+    note = admission_note(deploy)
+    if note:
+        print(note)
     return 0
 
 

@@ -40,16 +40,30 @@ def stopped_while_starting(signum: int, frame: object) -> NoReturn:
     os._exit(128 + signum)
 
 
+# c10d's store client logs each failed try to reach the rendezvous with a C++ stack, dozens of
+# lines a try, in the launcher, whose one line names the cause. Torch reads the level as it loads;
+# the workers start with the environment as it was.
+QUIET_CPP_LOG = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if __name__ == "__main__" or Path(sys.argv[0]).name == PROJECT:  # the command, not an import
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stopped_while_starting)
+    if QUIET_CPP_LOG:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
 
 import torch  # after the handlers: torch's import takes seconds
+
+if QUIET_CPP_LOG:
+    os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch.distributed.elastic.multiprocessing.api import SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousError, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.utils import (
     _parse_rendezvous_config,
     parse_rendezvous_endpoint,
@@ -514,6 +528,30 @@ def memory_line(
     return line
 
 
+# torchrun's c10d defaults (torch/distributed/elastic/rendezvous): read_timeout, join_timeout.
+RDZV_DEFAULTS = {"read_timeout": 60, "join_timeout": 600}
+
+
+def rendezvous_timeout(parsed: argparse.Namespace, key: str) -> int:
+    return int(_parse_rendezvous_config(parsed.rdzv_conf).get(key, RDZV_DEFAULTS[key]))
+
+
+def rendezvous_problem(parsed: argparse.Namespace, err: RendezvousError) -> str:
+    """The one line for a rendezvous that never gathered this node with the others."""
+    endpoint = parsed.rdzv_endpoint
+    if isinstance(err, RendezvousConnectionError):
+        seconds = rendezvous_timeout(parsed, "read_timeout")
+        return (f"could not reach the rendezvous at {endpoint} within {seconds} s (--rdzv-conf "
+                "read_timeout; deploy.rdzv_timeout_s in k8s/): the node that hosts it (pod 0) has "
+                f"not started, or its port is closed to this node ({err.__cause__ or err})")  # fmt: skip
+    if isinstance(err, RendezvousTimeoutError):
+        seconds = rendezvous_timeout(parsed, "join_timeout")
+        return (f"the rendezvous at {endpoint} did not gather its {parsed.nnodes} nodes within "
+                f"{seconds} s (--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/): a node has "
+                "not started")  # fmt: skip
+    return f"the rendezvous failed: {err}"
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGHUP before torchrun's own handlers are in place (a BaseException, as
     KeyboardInterrupt is: no `except Exception` on the way, Hydra's or torchrun's, takes it)."""
@@ -595,24 +633,41 @@ def launch(args: list[str]) -> int:
             remove_empty(run_dir, new)
         return said
 
+    def say(line: str) -> None:
+        print(f"{COMMAND} train{line}", file=sys.stderr, flush=True)
+
     with MemoryWatch(config, local_size) as memory:
-        try:
-            run(parsed)
-        except ChildFailedError as err:
-            line, code = summary(err, memory)
-            if line.startswith("stopped by"):
-                print(f"{COMMAND} train: {stopped(line.split()[-1])}", file=sys.stderr, flush=True)
-            elif code not in SAID_ALREADY:
-                print(f"{COMMAND} train failed: {line}", file=sys.stderr, flush=True)
-            return code
-        except (SignalException, Stopped, KeyboardInterrupt) as err:
-            name = "SIGINT" if isinstance(err, KeyboardInterrupt) else err.sigval.name
-            print(f"{COMMAND} train: {stopped(name)}", file=sys.stderr, flush=True)
-            return 128 + signal.Signals[name]
-        except RendezvousError as err:
-            print(f"{COMMAND} train: the rendezvous failed: {err}", file=sys.stderr, flush=True)
-            return 1
-    return 0
+        while True:
+            seen = set(memory.last)
+            try:
+                run(parsed)
+            except RendezvousConnectionError as err:
+                # The store lives in pod 0's torchrun. Once this node has trained with it, losing
+                # it means pod 0 was lost (preempted, evicted): its controller starts a
+                # replacement, which hosts a new store. Joining that, in this pod, costs no
+                # failure under any flavor's policy; exiting would cost one per node.
+                if one_node or not set(memory.last) - seen:
+                    say(f": {rendezvous_problem(parsed, err)}")
+                    return 1
+                seconds = rendezvous_timeout(parsed, "read_timeout")
+                say(f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
+                    f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s")  # fmt: skip
+            except RendezvousError as err:
+                say(f": {rendezvous_problem(parsed, err)}")
+                return 1
+            except ChildFailedError as err:
+                line, code = summary(err, memory)
+                if line.startswith("stopped by"):
+                    say(f": {stopped(line.split()[-1])}")
+                elif code not in SAID_ALREADY:
+                    say(f" failed: {line}")
+                return code
+            except (SignalException, Stopped, KeyboardInterrupt) as err:
+                name = "SIGINT" if isinstance(err, KeyboardInterrupt) else err.sigval.name
+                say(f": {stopped(name)}")
+                return 128 + signal.Signals[name]
+            else:
+                return 0
 
 
 if __name__ == "__main__":
