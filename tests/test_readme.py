@@ -453,6 +453,10 @@ class Plan:
             self.images.add(tag)
             if not (self.work / words[-1] / "Dockerfile").is_file() or tag != deploy["image"]:
                 problem = f"{tag}: not configs/deploy's image {deploy['image']}, or no Dockerfile in {words[-1]}"
+            arguments = [words[i + 1].split("=")[0] for i, word in enumerate(words) if word == "--build-arg"]
+            unknown = [name for name in arguments if not re.search(rf"^ARG {name}(=|$)", dockerfile, re.M)]
+            if unknown:
+                problem = f"--build-arg {unknown[0]}: the Dockerfile has no ARG {unknown[0]}"
         elif words[1] == "push":
             problem = None if words[2] in self.images else f"{words[2]}: pushed before it is built"
         elif words[1:4] == ["buildx", "imagetools", "inspect"]:

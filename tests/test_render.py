@@ -481,6 +481,27 @@ def test_dockerignore_keeps_history_outputs_and_secrets_out_of_the_image(rendere
     assert {".git", "outputs", "checkpoints", ".env", ".env.*", "*.pt"} <= ignored
 
 
+def test_the_image_gets_the_rdma_libraries_by_default_where_the_profile_is_infiniband(rendered, tmp_path):
+    """NCCL needs libibverbs and the providers in the image for IB or RoCE, else it uses sockets
+    between nodes: the RDMA build argument's step, run by sh with apt-get and rm noted instead."""
+    dockerfile = (rendered.path / "Dockerfile").read_text()
+    default = re.search(r"^ARG RDMA=(.*)$", dockerfile, re.M)[1]
+    assert default == ("1" if rendered.profile == "infiniband" else "0")
+    step = re.search(r'^RUN (if \[ "\$RDMA" = 1 \].*?fi)$', dockerfile, re.M | re.S)[1]
+    for tool in ("apt-get", "rm"):
+        (tmp_path / tool).write_text('#!/bin/sh\necho "${0##*/} $*" >> "$NOTED"\n')
+        (tmp_path / tool).chmod(0o755)
+    ran = {}
+    for rdma in ("0", "1"):
+        noted = tmp_path / f"noted-{rdma}"
+        noted.touch()
+        env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "RDMA": rdma, "NOTED": str(noted)}
+        subprocess.run(["sh", "-efc", step], env=env, check=True, timeout=30)  # -f: no globbing
+        ran[rdma] = noted.read_text().splitlines()
+    install = "apt-get install --yes --no-install-recommends libibverbs1 ibverbs-providers"
+    assert ran == {"0": [], "1": ["apt-get update", install, "rm -rf /var/lib/apt/lists/*"]}
+
+
 def test_dockerfile_passes_hadolint_and_runs_torchrun_as_non_root(rendered):
     done = subprocess.run(
         [BIN / "hadolint", "--failure-threshold", "warning", "Dockerfile"],
