@@ -234,7 +234,8 @@ def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
     name, first, second = "ddp-project", "ghcr.io/your-org/ddp-project:0.1.0", "ghcr.io/your-org/ddp-project:0.2.0"
     make("k8s-apply")
     assert_pods_are_what_the_launch_line_expects(cluster, pods_of(cluster, name, 1, first), name, first)
-    for overrides, image in [("deploy.nodes=2", first), (f"deploy.nodes=2 deploy.image={second}", second)]:
+    several = "deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany"  # the run dir in a claim every node mounts
+    for overrides, image in [(several, first), (f"{several} deploy.image={second}", second)]:
         make("k8s-render", f"ARGS={overrides}")
         make("k8s-apply", f"ARGS={overrides}")
         assert_pods_are_what_the_launch_line_expects(cluster, pods_of(cluster, name, 2, image), name, image)

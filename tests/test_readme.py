@@ -799,8 +799,8 @@ def test_k8s_apply_with_a_bad_arg_stops_in_one_line_before_kubectl(default_proje
     said = [line for line in bad.stderr.splitlines() if not line.startswith("make")]
     assert bad.returncode != 0 and len(said) == 1 and "deploy.nodes" in said[0], bad.stderr
     assert not (tmp_path / "kubectl.log").exists()
-    good = subprocess.run(["make", "-s", "k8s-apply", "ARGS=deploy.nodes=2"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    good = subprocess.run(["make", "-s", "k8s-apply", "ARGS=deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert good.returncode == 0, good.stderr
     assert (project / "k8s" / "service.yaml").is_file()  # what ARGS asked for is what was applied
     assert (tmp_path / "kubectl.log").read_text().splitlines()[-1] == "apply -f k8s/"

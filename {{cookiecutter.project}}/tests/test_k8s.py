@@ -41,6 +41,16 @@ BAD = [
         "deploy.flavor=trainjob deploy.rdzv_port=29400",
         "deploy.rdzv_port=29400: a TrainJob's rendezvous port is Trainer's 29500",
     ),
+    (
+        "deploy.nodes=2 deploy.runs_access_mode=ReadWriteOnce",
+        "deploy.runs_access_mode=ReadWriteOnce: several nodes share the run dir: ReadWriteMany",
+    ),
+    ("deploy.runs_access_mode=RWX", "deploy.runs_access_mode: Invalid value 'RWX'"),
+    (
+        "deploy.storage_class=Fast_SSD",
+        "deploy.storage_class=Fast_SSD: must be null or a StorageClass",
+    ),
+    ("deploy.runs_claim=-runs", "deploy.runs_claim=-runs: must be null or a PersistentVolumeClaim"),
     ("deploy.rdzv_timeout_s=9", "deploy.rdzv_timeout_s=9: must be 10 to 86400 seconds (a day)"),
     ("deploy.rdzv_timeout_s=86401", "deploy.rdzv_timeout_s=86401: must be 10 to 86400 seconds"),
     ("deploy.ttl_after_finished_s=-1", "deploy.ttl_after_finished_s=-1: must be null (keep) or"),
@@ -176,7 +186,7 @@ def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
 def test_scheduling_values_land_where_each_controller_reads_them(compose_train, flavor):
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     found = objects(
-        compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.queue=team-a",
+        compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany", "deploy.queue=team-a",
         "deploy.tolerations=[{key:nvidia.com/gpu,operator:Exists,effect:NoSchedule}]",
         "+deploy.node_selector={nvidia.com/gpu.product:H100}", "deploy.active_deadline_s=3600",
         *([] if flavor == "trainjob" else ["deploy.priority_class=training"]),
@@ -208,16 +218,40 @@ def test_no_scheduling_values_by_default(compose_train):
     assert workload["spec"]["ttlSecondsAfterFinished"] == 604800
 
 
-def test_the_claim_is_named_by_its_access_mode(compose_train):
-    """A claim's spec is immutable: 1 node and several get different claims, so re-applying
-    after changing deploy.nodes does not fail."""
-    one, two = (objects(compose_train, f"deploy.nodes={n}")["runs-pvc.yaml"] for n in (1, 2))
-    assert one["spec"]["accessModes"] == ["ReadWriteOnce"] and one["metadata"]["name"].endswith(
-        "-runs-rwo"
+def test_the_claim_is_named_by_its_access_mode_and_kept_when_the_nodes_change(compose_train):
+    """A claim's spec is immutable: another access mode is another claim, while deploy.nodes
+    keeps the claim, and the checkpoints in it, from 1 node to 4 and back."""
+    many = [
+        objects(compose_train, "deploy.runs_access_mode=ReadWriteMany", f"deploy.nodes={n}")
+        for n in (1, 4)
+    ]
+    assert many[0]["runs-pvc.yaml"] == many[1]["runs-pvc.yaml"]
+    assert many[0]["runs-pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    name = deploy_defaults()["name"]
+    assert many[0]["runs-pvc.yaml"]["metadata"]["name"] == f"{name}-runs-rwx"
+    one = objects(compose_train, "deploy.runs_access_mode=ReadWriteOnce", "deploy.nodes=1")
+    assert one["runs-pvc.yaml"]["metadata"]["name"] == f"{name}-runs-rwo"
+    assert "storageClassName" not in one["runs-pvc.yaml"]["spec"]  # the cluster's default
+
+
+def test_the_runs_volume_comes_from_the_storage_class_or_the_claim_given(compose_train):
+    found = objects(
+        compose_train, "deploy.storage_class=cephfs", "deploy.runs_access_mode=ReadWriteMany"
     )
-    assert two["spec"]["accessModes"] == ["ReadWriteMany"] and two["metadata"]["name"].endswith(
-        "-runs-rwx"
-    )
+    assert found["runs-pvc.yaml"]["spec"]["storageClassName"] == "cephfs"
+    for flavor in k8s.FLAVORS:
+        found = objects(
+            compose_train,
+            f"deploy.flavor={flavor}",
+            "deploy.nodes=2",
+            "deploy.runs_claim=team-runs",
+        )
+        assert "runs-pvc.yaml" not in found  # the team's claim, applied and kept by them
+        pod, _ = pod_and_workload(found, flavor)
+        (runs,) = [volume for volume in pod["volumes"] if volume["name"] == "runs"]
+        assert runs["persistentVolumeClaim"] == {"claimName": "team-runs"}
+        # a large volume is not chowned file by file at every start
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
 def test_a_trainjob_sets_none_of_the_env_trainer_reserves(compose_train):
@@ -236,7 +270,13 @@ def test_the_rendezvous_timeout_reaches_each_flavors_torchrun(compose_train, fla
     seconds = deploy_defaults()["rdzv_timeout_s"]
     assert seconds >= 600
     pod, workload = pod_and_workload(
-        objects(compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2"), flavor
+        objects(
+            compose_train,
+            f"deploy.flavor={flavor}",
+            "deploy.nodes=2",
+            "deploy.runs_access_mode=ReadWriteMany",
+        ),
+        flavor,
     )
     expected = f"join_timeout={seconds},read_timeout={seconds}"
     if flavor == "pytorchjob":
@@ -254,9 +294,7 @@ def test_the_rendezvous_timeout_reaches_each_flavors_torchrun(compose_train, fla
 def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
     """Without deploy.queue, pods that start hold their GPUs while one stays Pending: k8s says
     so for several nodes (tests/test_project_files.py), not for one, nor with a queue."""
-    assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=2")).startswith("note: 2 pods")
+    several = ("deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany")
+    assert k8s.admission_note(deploy_of(compose_train, *several)).startswith("note: 2 pods")
     assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
-    assert (
-        k8s.admission_note(deploy_of(compose_train, "deploy.nodes=2", "deploy.queue=team-a"))
-        is None
-    )
+    assert k8s.admission_note(deploy_of(compose_train, *several, "deploy.queue=team-a")) is None

@@ -149,6 +149,7 @@ def rendered_pods(flavor: str, gpus: int, *deploy: str) -> dict:
             f"deploy.flavor={flavor}",
             f"deploy.nodes={NODES}",
             f"deploy.gpus_per_node={gpus}",
+            "deploy.runs_access_mode=ReadWriteMany",
             *deploy,
         ],
         this_node=False,

@@ -63,7 +63,12 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         return subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s", *args], cwd=project,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
-    done = k8s("deploy.nodes=2", "deploy.image=ghcr.io/acme/x:2.0", "nccl=pcie_safe")
+    done = k8s(
+        "deploy.nodes=2",
+        "deploy.runs_access_mode=ReadWriteMany",
+        "deploy.image=ghcr.io/acme/x:2.0",
+        "nccl=pcie_safe",
+    )
     assert done.returncode == 0, done.stderr
     deploy_file = project / "configs" / "deploy" / "default.yaml"
     assert f"wrote deploy.nodes=2 -> {deploy_file}" in done.stdout

@@ -488,6 +488,11 @@ class Flavor(Enum):
     trainjob = "trainjob"  # a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1)
 
 
+class AccessMode(Enum):
+    ReadWriteOnce = "ReadWriteOnce"  # one node mounts it: most default storage classes
+    ReadWriteMany = "ReadWriteMany"  # every node's pod mounts it: what several nodes need
+
+
 class PullPolicy(Enum):
     IfNotPresent = "IfNotPresent"
     Always = "Always"
@@ -512,6 +517,9 @@ class DeployConfig:
     rdzv_port: int = MISSING
     shm_size: str = MISSING
     runs_storage: str = MISSING
+    runs_access_mode: AccessMode = MISSING
+    storage_class: Optional[str] = MISSING
+    runs_claim: Optional[str] = MISSING
     backoff_limit: int = MISSING
     max_restarts: int = MISSING
     rdzv_timeout_s: int = MISSING

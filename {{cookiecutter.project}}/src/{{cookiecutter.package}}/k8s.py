@@ -1,7 +1,7 @@
 """The Kubernetes manifests in k8s/, rendered from the Hydra config: one source of truth.
 
     python -m {{ cookiecutter.package }}.k8s                                   # rewrite k8s/ from configs/
-    python -m {{ cookiecutter.package }}.k8s deploy.nodes=2 nccl=infiniband    # several nodes: Indexed Job + headless Service
+    python -m {{ cookiecutter.package }}.k8s deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany   # several nodes: Indexed Job + Service
     python -m {{ cookiecutter.package }}.k8s --check                           # exit 1 and a diff if k8s/ differs from configs/
 
 Overrides are written into configs/ before k8s/ is rendered (deploy.* into deploy/default.yaml,
@@ -288,6 +288,21 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         priority is None or not trainjob,
         "priority_class", "a TrainJob cannot set it (Trainer v2.3's runtimePatches have no priorityClassName); use a queue",
     )  # fmt: skip
+    check(
+        deploy["runs_access_mode"] == "ReadWriteMany" or deploy["runs_claim"] is not None
+        or not whole_number(deploy["nodes"], 2),
+        "runs_access_mode", "several nodes share the run dir: ReadWriteMany, from a storage class "
+        "that offers it (deploy.storage_class), or an existing claim (deploy.runs_claim)",
+    )  # fmt: skip
+    for key, kind in (
+        ("storage_class", "a StorageClass"),
+        ("runs_claim", "a PersistentVolumeClaim"),
+    ):
+        value = deploy[key]
+        check(
+            value is None or (isinstance(value, str) and len(value) <= 253 and DNS_SUBDOMAIN.fullmatch(value)),
+            key, f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
+        )  # fmt: skip
     queue = deploy["queue"]
     check(
         queue is None or (isinstance(queue, str) and len(queue) <= 63 and DNS_LABEL.fullmatch(queue)),
@@ -434,9 +449,11 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
 
 
 def runs_claim_name(deploy: Mapping[str, Any]) -> str:
-    """One claim per access mode: a claim's spec is immutable, so re-applying after changing
-    deploy.nodes between 1 and more gets the other claim instead of failing."""
-    return f"{deploy['name']}-runs-{'rwo' if deploy['nodes'] == 1 else 'rwx'}"
+    """deploy.runs_claim, or the rendered claim, named by its access mode: a claim's spec is
+    immutable, so another mode is another claim, while changing deploy.nodes keeps the claim and
+    the checkpoints in it."""
+    mode = {"ReadWriteOnce": "rwo", "ReadWriteMany": "rwx"}[deploy["runs_access_mode"]]
+    return deploy["runs_claim"] or f"{deploy['name']}-runs-{mode}"
 
 
 def pod_spec(deploy: Mapping[str, Any], env: Mapping[str, str], restart: str = "Never") -> dict:
@@ -456,6 +473,9 @@ def pod_spec(deploy: Mapping[str, Any], env: Mapping[str, str], restart: str = "
             "runAsUser": 10001,  # the Dockerfile's trainer user
             "runAsGroup": 10001,
             "fsGroup": 10001,  # makes the runs volume writable by that user
+            # Only where the volume's root is not the group's yet: changing every file of a
+            # large run dir at each start takes minutes.
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         **scheduling,
@@ -648,8 +668,8 @@ def service_account(deploy: Mapping[str, Any]) -> dict:
 
 def runs_claim(deploy: Mapping[str, Any]) -> dict:
     spec = {
-        # Several nodes share the run dir: the storage class must offer ReadWriteMany.
-        "accessModes": ["ReadWriteOnce" if deploy["nodes"] == 1 else "ReadWriteMany"],
+        "accessModes": [deploy["runs_access_mode"]],
+        **optional(storageClassName=deploy["storage_class"]),
         "resources": {"requests": {"storage": deploy["runs_storage"]}},
     }
     claim = resource("v1", "PersistentVolumeClaim", deploy, spec)
@@ -686,7 +706,7 @@ def headers(deploy: Mapping[str, Any]) -> dict[str, str]:
 
 def manifests(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
     """File name -> YAML text, for k8s/. The deploy values must have passed deploy_errors()."""
-    objects = {"runs-pvc.yaml": runs_claim(deploy)}
+    objects = {} if deploy["runs_claim"] else {"runs-pvc.yaml": runs_claim(deploy)}
     if deploy["flavor"] == "jobset":
         objects["jobset.yaml"] = jobset(deploy, env)
     elif deploy["flavor"] == "pytorchjob":  # the operator makes a Service per pod
