@@ -251,3 +251,41 @@ def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
     )
     assert left.stdout == ""
     assert cluster.get("pods", "-l", f"job-name={name}")["items"] == []
+
+
+def test_k8s_apply_keeps_the_running_job_until_the_server_accepts_the_new_one_and_leaves_nothing_stale(
+    cluster, default_project, installed_default, tmp_path
+):
+    """`make k8s-apply` asks the server first: a value only the server refuses (an int32 field past
+    its range) leaves the running Job as it was, in one line. A change of flavor replaces the Job
+    and its Service with a JobSet, and keeps the claim."""
+    project = tmp_path / "ddp-project"
+    shutil.copytree(default_project, project)
+    env = {k: v for k, v in cluster.env.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
+    env |= {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(installed_default)}
+
+    def make(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+    name = "ddp-project"
+    label = f"app.kubernetes.io/name={name}"
+    mine = "jobs,jobsets,services,persistentvolumeclaims"
+    done = make("k8s-apply", "ARGS=deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany")
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = {item["metadata"]["name"]: item["metadata"]["uid"] for item in cluster.get(mine, "-l", label)["items"]}
+    assert set(before) == {name, f"{name}-runs-rwx"}  # the Job and its Service share the name
+
+    refused = make("k8s-apply", "ARGS=deploy.backoff_limit=2000000000")  # x 2 nodes: past int32
+    said = [line for line in refused.stderr.splitlines() if not line.startswith("make: ")]
+    assert refused.returncode != 0 and len(said) == 1, refused.stderr
+    assert said[0].startswith("make k8s-apply: the server refuses k8s/, so the running job is left as it is:")
+    assert "backoffLimit" in said[0]
+    after = {item["metadata"]["name"]: item["metadata"]["uid"] for item in cluster.get(mine, "-l", label)["items"]}
+    assert after == before
+
+    switched = make("k8s-apply", "ARGS=deploy.backoff_limit=3 deploy.flavor=jobset")
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    kinds = sorted(f"{item['kind']}/{item['metadata']['name']}" for item in cluster.get(mine, "-l", label)["items"])
+    assert kinds == [f"JobSet/{name}", f"PersistentVolumeClaim/{name}-runs-rwx"]
+    assert cluster.get("persistentvolumeclaims", f"{name}-runs-rwx")["metadata"]["uid"] == before[f"{name}-runs-rwx"]
+    cluster.kubectl("delete", "-n", NAMESPACE, mine, "-l", label, "--cascade=foreground", "--wait")

@@ -65,6 +65,7 @@ EXPECTED_FILES = {
     "configs/trainer/default.yaml",
     "src/{package}/__init__.py",
     "src/{package}/allreduce.py",
+    "src/{package}/apply.py",
     "src/{package}/bench.py",
     "src/{package}/check.py",
     "src/{package}/checkpoint.py",

@@ -10,7 +10,7 @@ import yaml
 from conftest import PACKAGE, deploy_defaults
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import k8s
+from {{ cookiecutter.package }} import apply, k8s
 from {{ cookiecutter.package }}.check import config_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,3 +298,16 @@ def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
     assert k8s.admission_note(deploy_of(compose_train, *several)).startswith("note: 2 pods")
     assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
     assert k8s.admission_note(deploy_of(compose_train, *several, "deploy.queue=team-a")) is None
+
+
+def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, capsys):
+    """make k8s-apply's last step (tests/test_cluster.py in the template runs it on an API server)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl here
+    assert apply.main(tmp_path) == 1
+    assert capsys.readouterr().err == "make k8s-apply: kubectl is not on PATH\n"
+    (tmp_path / "kubectl").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "kubectl").chmod(0o755)
+    assert apply.main(tmp_path / "k8s") == 1
+    assert capsys.readouterr().err == (
+        f"make k8s-apply: {tmp_path / 'k8s'}/ holds no manifests: python -m {PACKAGE}.k8s writes them\n"
+    )
