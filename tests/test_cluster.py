@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,6 +82,33 @@ def test_every_render_passes_the_servers_strict_dry_run(cluster, matrix):
         "apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=json.dumps(trainjob), ok=False
     )
     assert refused.returncode != 0 and 'unknown field "spec.trainer.numProcsPerNode"' in refused.stderr
+
+
+def test_rdma_settings_pass_the_strict_dry_run_and_restricted_warns_of_ipc_lock(
+    cluster, default_project, installed_default, tmp_path
+):
+    """What InfiniBand pods need, set as the README says, for every flavor: the server takes the
+    objects, and PodSecurity restricted names IPC_LOCK, as the renderer's note says it would."""
+    project = tmp_path / "ddp-project"
+    shutil.copytree(default_project, project)
+    env = {**os.environ, "PYTHONPATH": str(installed_default)}
+    settings = ["deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany", "deploy.capabilities=[IPC_LOCK]",
+                "deploy.extra_resources={rdma/rdma_shared_device_a: 1}", "deploy.pod_labels.team=vision",
+                "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks: ib-net}"]  # fmt: skip
+    files = []
+    for flavor in ("job", "jobset", "pytorchjob", "trainjob"):
+        out = tmp_path / flavor
+        render = [sys.executable, "-m", "ddp_project.k8s", "--force", "--out", str(out), f"deploy.flavor={flavor}"]
+        done = subprocess.run([*render, *settings], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "note: deploy.capabilities IPC_LOCK: a namespace that enforces PodSecurity restricted" in done.stdout
+        files += sorted(out.glob("*.yaml"))
+    given = [a for f in files for a in ("-f", str(f))]
+    done = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", *given)
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(files) and all(line.endswith(" created (server dry run)") for line in lines)
+    # restricted warns on the workloads whose pod template it reads (Job, and a JobSet's none)
+    assert 'would violate PodSecurity "restricted:latest"' in done.stderr and '"IPC_LOCK"' in done.stderr
 
 
 def json_objects(text: str) -> list[dict]:

@@ -173,6 +173,7 @@ CLASSIFIED = [
     (r"make (demo|clean)$", "template-make"),
     (r"make ", "make"),
     (r"kubectl ", "kubectl"),
+    (r"python -m {package}\.apply$", "cluster"),  # make k8s-apply's last step
     (r"docker ", "docker"),
     (r"(python3? -m )?pip install ", "pip"),
     (r'python -c "import torch"', "ready"),  # make's guards before a target that needs torch
@@ -439,6 +440,9 @@ class Plan:
 
     def rule_server(self, found, command, words):
         self.add(found, command, None if shutil.which(words[0], path=self.env["PATH"]) else f"no {words[0]}")
+
+    def rule_cluster(self, found, command, words):
+        self.add(found, command, None)  # run on the API server by test_cluster (make k8s-apply)
 
     def rule_kubectl(self, found, command, words):
         self.add(found, command, "kubectl")  # judged by test_kubectl_lines_..., which needs kubectl

@@ -595,9 +595,7 @@ MAKE_TARGETS = {
     "tensorboard": "tensorboard --logdir outputs",
     "docker-build": "docker build -t ghcr.io/your-org/{project}:0.1.0 .",
     "k8s-render": "python -m {package}.k8s",
-    "k8s-apply": "python -m {package}.k8s --check\n"
-    "kubectl delete --ignore-not-found --cascade=foreground --wait -f k8s/{flavor}.yaml\n"
-    "kubectl apply -f k8s/",
+    "k8s-apply": "python -m {package}.k8s --check\npython -m {package}.apply",
 }
 
 

@@ -105,10 +105,6 @@ BAD = [
     ("nccl.ib_gid_index=256", "nccl.ib_gid_index=256: must be -1 (NCCL picks) to 255"),
     ("nccl.ib_gid_index=three", "nccl.ib_gid_index: Value 'three' of type 'str' could not be"),
     (
-        "deploy.node_selector.gpu=a100",
-        "deploy.node_selector.gpu: no such key; add it to the map with +deploy.node_selector.gpu=",
-    ),
-    (
         "trainer.max_steps",
         "trainer.max_steps: not an override Hydra can read (missing EQUAL at '<EOF>'); write key=value",
     ),

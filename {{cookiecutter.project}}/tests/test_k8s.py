@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import apply, k8s
 from {{ cookiecutter.package }}.check import config_problem
+from {{ cookiecutter.package }}.config import hydra_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [
@@ -51,6 +52,28 @@ BAD = [
         "deploy.storage_class=Fast_SSD: must be null or a StorageClass",
     ),
     ("deploy.runs_claim=-runs", "deploy.runs_claim=-runs: must be null or a PersistentVolumeClaim"),
+    (
+        "deploy.extra_resources={nvidia.com/gpu:1}",
+        "deploy.extra_resources.nvidia.com/gpu: must be an extended resource name (prefix/name",
+    ),
+    (
+        "deploy.extra_resources={rdma/ib:0}",
+        "deploy.extra_resources.rdma/ib=0: must be a whole number",
+    ),
+    (
+        "deploy.extra_resources={ib:1}",
+        "deploy.extra_resources.ib: must be an extended resource name",
+    ),
+    (
+        "deploy.capabilities=[CAP_IPC_LOCK]",
+        "deploy.capabilities: CAP_IPC_LOCK: must be a Linux capability",
+    ),
+    ("deploy.pod_labels={team:_a}", "deploy.pod_labels.team=_a: must be a label value"),
+    (
+        "deploy.pod_labels={app.kubernetes.io/name:x}",
+        "deploy.pod_labels.app.kubernetes.io/name: must be a label key",
+    ),
+    ("deploy.pod_annotations={-x:1}", "deploy.pod_annotations.-x: must be an annotation key"),
     ("deploy.rdzv_timeout_s=9", "deploy.rdzv_timeout_s=9: must be 10 to 86400 seconds (a day)"),
     ("deploy.rdzv_timeout_s=86401", "deploy.rdzv_timeout_s=86401: must be 10 to 86400 seconds"),
     ("deploy.ttl_after_finished_s=-1", "deploy.ttl_after_finished_s=-1: must be null (keep) or"),
@@ -147,7 +170,8 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
 
 
 def deploy_of(compose_train, *overrides: str) -> dict:
-    cfg = OmegaConf.to_object(compose_train(*overrides))  # checked, as k8s.main does
+    # read and checked as k8s.main reads them: a map's entries added with ++
+    cfg = OmegaConf.to_object(compose_train(*hydra_overrides(list(overrides))))
     return OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
 
 
@@ -301,7 +325,7 @@ def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
 
 
 def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, capsys):
-    """make k8s-apply's last step (tests/test_cluster.py in the template runs it on an API server)."""
+    """make k8s-apply's last step, which the template's own tests run on an API server."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl here
     assert apply.main(tmp_path) == 1
     assert capsys.readouterr().err == "make k8s-apply: kubectl is not on PATH\n"
@@ -310,4 +334,45 @@ def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, c
     assert apply.main(tmp_path / "k8s") == 1
     assert capsys.readouterr().err == (
         f"make k8s-apply: {tmp_path / 'k8s'}/ holds no manifests: python -m {PACKAGE}.k8s writes them\n"
+    )
+
+
+@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavor):
+    """What InfiniBand pods need, set from the command line as maps and lists: the RDMA device
+    plugin's resource (requested and limited, as extended resources must be), IPC_LOCK, and a
+    Multus network annotation; with a label for cost tracking."""
+    found = objects(
+        compose_train, f"deploy.flavor={flavor}", "deploy.extra_resources={rdma/rdma_shared_device_a:1}",
+        "deploy.capabilities=[IPC_LOCK]", "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks:ib-net}",
+        "deploy.pod_labels.team=vision",
+    )  # fmt: skip
+    pod, workload = pod_and_workload(found, flavor)
+    resources = (
+        workload["spec"]["trainer"]["resourcesPerNode"]
+        if flavor == "trainjob"
+        else pod["containers"][0]["resources"]
+    )
+    assert (
+        resources["requests"]["rdma/rdma_shared_device_a"]
+        == resources["limits"]["rdma/rdma_shared_device_a"]
+        == 1
+    )
+    (container,) = pod["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    metadata = {
+        "trainjob": lambda w: w["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"],
+        "pytorchjob": lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"],
+        "jobset": lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"],
+        "job": lambda w: w["spec"]["template"]["metadata"],
+    }[flavor](workload)  # fmt: skip
+    assert metadata["annotations"] == {"k8s.v1.cni.cncf.io/networks": "ib-net"}
+    assert metadata["labels"]["team"] == "vision" and metadata["labels"]["app.kubernetes.io/name"]
+    deploy = deploy_of(compose_train, "deploy.capabilities=[IPC_LOCK,NET_BIND_SERVICE]")
+    assert k8s.capabilities_note(deploy).startswith(
+        "note: deploy.capabilities IPC_LOCK: a namespace"
+    )
+    assert (
+        k8s.capabilities_note(deploy_of(compose_train, "deploy.capabilities=[NET_BIND_SERVICE]"))
+        is None
     )

@@ -68,6 +68,9 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         "deploy.runs_access_mode=ReadWriteMany",
         "deploy.image=ghcr.io/acme/x:2.0",
         "nccl=pcie_safe",
+        "deploy.node_selector={pool: gpu}",  # a map whole, or an entry of one: the map is written
+        "deploy.pod_labels.team=vision",
+        "nccl.env.NCCL_ALGO=Ring",
     )
     assert done.returncode == 0, done.stderr
     deploy_file = project / "configs" / "deploy" / "default.yaml"
@@ -77,6 +80,9 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     )
     deploy = yaml.safe_load(deploy_file.read_text())
     assert (deploy["nodes"], deploy["image"]) == (2, "ghcr.io/acme/x:2.0")
+    assert (deploy["node_selector"], deploy["pod_labels"]) == ({"pool": "gpu"}, {"team": "vision"})
+    profile = yaml.safe_load((project / "configs" / "nccl" / "pcie_safe.yaml").read_text())
+    assert profile["env"] == {"NCCL_ALGO": "Ring"}
     assert any(
         line.startswith("nodes: 2 ") and "# pods, one per node" in line
         for line in deploy_file.read_text().splitlines()

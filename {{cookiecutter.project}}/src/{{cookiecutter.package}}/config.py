@@ -527,6 +527,10 @@ class DeployConfig:
     active_deadline_s: Optional[int] = MISSING
     tolerations: List[Dict[str, Any]] = MISSING
     node_selector: Dict[str, str] = MISSING
+    extra_resources: Dict[str, int] = MISSING
+    capabilities: List[str] = MISSING
+    pod_labels: Dict[str, str] = MISSING
+    pod_annotations: Dict[str, str] = MISSING
     priority_class: Optional[str] = MISSING
     queue: Optional[str] = MISSING
 
@@ -722,6 +726,10 @@ def typed(cfg: DictConfig) -> TrainConfig:
 NCCL_TEXT_KEY = re.compile(
     r"(\+?\+?)(nccl\.(?:" + "|".join(nccl.TEXT_FIELDS) + r"|env\.[^=]*))=(.*)", re.DOTALL
 )
+# The deploy group's maps: their keys are the user's, so an override may add one.
+MAP_KEY = re.compile(
+    r"\+{0,2}deploy\.(node_selector|extra_resources|pod_labels|pod_annotations)[.=]"
+)
 SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
 
 
@@ -744,6 +752,7 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
       nccl.debug_subsys=INIT,NET (or [INIT,NET])  ->  nccl.debug_subsys='INIT,NET'
       nccl.env.NCCL_ALGO=Ring                      ->  ++nccl.env.NCCL_ALGO='Ring'  (adds the key)
       nccl.env={NCCL_ALGO:Ring}                    ->  ++nccl.env={NCCL_ALGO:Ring}
+      deploy.node_selector={pool:gpu}              ->  ++deploy.node_selector={pool:gpu}  (any deploy map)
     Under -m too: a bare comma list is NCCL's list, never a sweep; sweep with choice(Ring,Tree).
     Other arguments pass as given, and a rewritten override rewritten again stays the same."""
     rewritten = []
@@ -755,6 +764,8 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
             override = f"{plus}{key}={nccl_text(value)}"
         elif override.startswith("nccl.env="):  # a whole map, nccl.env={NCCL_ALGO:Ring}
             override = f"++{override}"
+        elif MAP_KEY.match(override):  # deploy.node_selector={pool:gpu}, deploy.pod_labels.team=a
+            override = f"++{override.lstrip('+')}"
         rewritten.append(override)
     return rewritten
 

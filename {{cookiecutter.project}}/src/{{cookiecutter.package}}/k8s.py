@@ -101,6 +101,12 @@ IMAGE = re.compile(
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?"
 )
 PULL_POLICIES = ("IfNotPresent", "Always", "Never")
+# Set by deploy.gpus_per_node, cpu_per_gpu, memory_per_gpu and ephemeral_storage.
+OWN_RESOURCES = ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu")
+CAPABILITY = re.compile(r"[A-Z][A-Z0-9_]*")
+# PodSecurity restricted allows adding this one only (baseline a few more; IPC_LOCK none but privileged).
+RESTRICTED_CAPABILITIES = ("NET_BIND_SERVICE",)
+INT32_MAX = 2**31 - 1
 TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 QUANTITY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[KMGTPE]i|[mkMGTPE]?)")
@@ -279,6 +285,31 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
                 )
     else:
         check(False, "node_selector", "must be a mapping of node label to value")
+    for key, count in deploy["extra_resources"].items():
+        if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
+            found.append(f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
+                         f"such as rdma/rdma_shared_device_a), not one of {', '.join(OWN_RESOURCES)}")  # fmt: skip
+        elif not whole_number(count, 1, INT32_MAX):
+            found.append(f"deploy.extra_resources.{key}={count}: must be a whole number, 1 or more")
+    for capability in deploy["capabilities"]:
+        if not (
+            isinstance(capability, str) and CAPABILITY.fullmatch(capability)
+        ) or capability.startswith("CAP_"):
+            found.append(
+                f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, such as IPC_LOCK"
+            )
+    for key, value in deploy["pod_labels"].items():
+        if not label_key_ok(key) or key in labels(name):
+            found.append(
+                f"deploy.pod_labels.{key}: must be a label key ([prefix/]name), not one this project sets"
+            )
+        elif not label_value_ok(value):
+            found.append(
+                f"deploy.pod_labels.{key}={value}: must be a label value (63 characters: letters, digits, '-', '_', '.')"
+            )
+    for key in deploy["pod_annotations"]:
+        if not label_key_ok(key):
+            found.append(f"deploy.pod_annotations.{key}: must be an annotation key ([prefix/]name)")
     priority = deploy["priority_class"]
     check(
         priority is None or (isinstance(priority, str) and len(priority) <= 253 and DNS_SUBDOMAIN.fullmatch(priority)),
@@ -324,6 +355,14 @@ def nccl_env(profile_fields: Mapping[str, Any]) -> dict[str, str]:
 
 def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "training"}
+
+
+def pod_metadata(deploy: Mapping[str, Any]) -> dict:
+    """The pods' labels (this project's, and deploy.pod_labels) and deploy.pod_annotations."""
+    return {
+        "labels": labels(deploy["name"]) | dict(deploy["pod_labels"]),
+        **optional(annotations=dict(deploy["pod_annotations"]) or None),
+    }
 
 
 def resource(
@@ -418,7 +457,8 @@ def resources(deploy: Mapping[str, Any], gpus: bool = True) -> dict:
         "ephemeral-storage": str(deploy["ephemeral_storage"]),  # /tmp and the caches in it
     }
     limits = {"nvidia.com/gpu": per_node} if gpus else {}
-    return {"requests": requests, "limits": {**limits, "memory": memory}}
+    extra = dict(deploy["extra_resources"])  # extended resources: requests must equal limits
+    return {"requests": requests | extra, "limits": {**limits, "memory": memory, **extra}}
 
 
 def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
@@ -432,7 +472,12 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
         "args": args,
         "env": [{"name": var, "value": value} for var, value in values.items()] + launch_env,
         "resources": resources(deploy),
-        "securityContext": READ_ONLY_ROOT,
+        "securityContext": READ_ONLY_ROOT
+        | (
+            {"capabilities": {"drop": ["ALL"], "add": list(deploy["capabilities"])}}
+            if deploy["capabilities"]
+            else {}
+        ),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             TMP_MOUNT,
@@ -517,7 +562,7 @@ def job_spec(deploy: Mapping[str, Any], env: Mapping[str, str], backoff_limit: i
         spec |= {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes}
         if deploy["flavor"] == "job":  # a JobSet sets the subdomain of its pods itself
             pod["subdomain"] = name  # pods are <name>-<index>.<name>: the headless Service
-    spec["template"] = {"metadata": {"labels": labels(name)}, "spec": pod}
+    spec["template"] = {"metadata": pod_metadata(deploy), "spec": pod}
     return spec
 
 
@@ -589,7 +634,7 @@ def pytorchjob(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
             "Worker": {
                 "replicas": nodes,
                 "restartPolicy": "OnFailure",
-                "template": {"metadata": {"labels": labels(name)}, "spec": pod},
+                "template": {"metadata": pod_metadata(deploy), "spec": pod},
             }
         },
     }
@@ -616,7 +661,7 @@ def trainjob(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
     pod_patch["containers"] = [
         {key: container[key] for key in ("name", "securityContext", "volumeMounts")}
     ]
-    node_patch = {"template": {"metadata": {"labels": labels(name)}, "spec": pod_patch}}
+    node_patch = {"template": {"metadata": pod_metadata(deploy), "spec": pod_patch}}
     spec = {
         "runtimeRef": {
             "apiGroup": "trainer.kubeflow.org",
@@ -727,6 +772,15 @@ def manifests(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, st
     }
 
 
+def capabilities_note(deploy: Mapping[str, Any]) -> str | None:
+    refused = [c for c in deploy["capabilities"] if c not in RESTRICTED_CAPABILITIES]
+    if not refused:
+        return None
+    return (f"note: deploy.capabilities {', '.join(refused)}: a namespace that enforces PodSecurity "
+            "restricted (or baseline, for IPC_LOCK) refuses these pods; label it "
+            "pod-security.kubernetes.io/enforce=privileged, or ask its admin")  # fmt: skip
+
+
 def admission_note(deploy: Mapping[str, Any]) -> str | None:
     """Several pods with nothing to admit them together: the line that says what that risks."""
     if deploy["nodes"] == 1 or deploy["queue"] is not None:
@@ -798,7 +852,9 @@ def write(rendered: Mapping[str, str], folder: Path) -> None:
 
 # ---------------------------------------------------------------- overrides into configs/
 
-OVERRIDE = re.compile(r"(deploy\.[a-z_]+|nccl|nccl\.[a-z_]+)=(.*)")
+# deploy.<field>, nccl=<profile>, nccl.<field>; or an entry of a map, such as deploy.pod_labels.team
+# or nccl.env.NCCL_ALGO (the + that adds it optional), which writes the map whole.
+OVERRIDE = re.compile(r"\+{0,2}(deploy\.[a-z_]+|nccl\.[a-z_]+|nccl)(\.[^=]+)?=(.*)", re.DOTALL)
 
 
 def yaml_value(value: Any) -> str:
@@ -841,6 +897,9 @@ def persist(overrides: list[str], composed: Mapping[str, Any], configs: Path) ->
     written = []
     for override in overrides:
         match = OVERRIDE.fullmatch(override)
+        if match and match.group(2):  # an entry: of a map only
+            group, _, field = match.group(1).partition(".")
+            match = match if field and isinstance(composed[group].get(field), Mapping) else None
         if not match:
             raise ValueError(
                 f"{override}: k8s/ is rendered from deploy.*, nccl=<profile> and nccl.<field>; set "
@@ -951,9 +1010,9 @@ def main() -> int:
             print(f"wrote {line}")
     write(rendered, args.out)
     print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
-    note = admission_note(deploy)
-    if note:
-        print(note)
+    for note in (admission_note(deploy), capabilities_note(deploy)):
+        if note:
+            print(note)
     return 0
 
 
