@@ -376,3 +376,41 @@ def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavo
         k8s.capabilities_note(deploy_of(compose_train, "deploy.capabilities=[NET_BIND_SERVICE]"))
         is None
     )
+
+
+def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C, or a kubectl call that fails, once the old job may be gone: one line, what to do."""
+    (tmp_path / "kubectl").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "kubectl").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    folder = tmp_path / "k8s"
+    folder.mkdir()
+    meta = {"name": "p", "namespace": "ns", "labels": {apply.LABEL: "p"}}
+    (folder / "job.yaml").write_text(yaml.safe_dump({"kind": "Job", "metadata": meta}))
+    calls = []
+
+    def interrupted(*args, stdin=None):
+        calls.append(args[0])
+        if args[0] == "api-resources":
+            raise KeyboardInterrupt
+        return ""
+
+    monkeypatch.setattr(apply, "kubectl", interrupted)
+    assert apply.main(folder) == 130
+    assert calls == ["create", "api-resources"]  # the server's dry run came first
+    assert capsys.readouterr().err == (
+        f"make k8s-apply: stopped by SIGINT; {folder}/ is not applied: run make k8s-apply again\n"
+    )
+
+    def refusing(*args, stdin=None):
+        if args[0] == "apply":
+            raise apply.Refused("kubectl apply: Unauthorized")
+        return ""
+
+    monkeypatch.setattr(apply, "kubectl", refusing)
+    assert apply.main(folder) == 1
+    assert capsys.readouterr().err == (
+        f"make k8s-apply: kubectl apply: Unauthorized; {folder}/ is not applied: run make k8s-apply again\n"
+    )

@@ -107,20 +107,18 @@ def main(folder: Path = Path("k8s")) -> int:
     try:
         known = set(kubectl("api-resources", "-o", "name").split())
         for kind_and_name in to_delete(objects, known):
-            kubectl(
-                "delete",
-                "-n",
-                namespace,
-                kind_and_name,
-                "--cascade=foreground",
-                "--wait",
-                "--ignore-not-found",
-            )
+            cascade = ("--cascade=foreground", "--wait", "--ignore-not-found")
+            kubectl("delete", "-n", namespace, kind_and_name, *cascade)
             print(f"deleted {kind_and_name}")
         print(kubectl("apply", "-f", f"{folder}/"), end="")
     except Refused as refused:
-        print(f"make k8s-apply: {refused}", file=sys.stderr)
+        print(f"make k8s-apply: {refused}; {folder}/ is not applied: run make k8s-apply again",
+              file=sys.stderr)  # fmt: skip
         return 1
+    except KeyboardInterrupt:  # the old job may be gone already: say what is left to do
+        print(f"make k8s-apply: stopped by SIGINT; {folder}/ is not applied: run make k8s-apply again",
+              file=sys.stderr)  # fmt: skip
+        return 130
     return 0
 
 
