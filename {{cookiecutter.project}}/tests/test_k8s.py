@@ -131,6 +131,14 @@ def test_the_hooks_plain_yaml_path_refuses_the_same_way(tmp_path):
     (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump(deploy))
     with pytest.raises(ValueError, match=r"^deploy.memory_per_gpu=24 Gi: must be a size"):
         k8s.from_files(configs, "auto")
+    for key, value, kind in (
+        ("extra_resources", None, "mapping"),
+        ("capabilities", "IPC_LOCK", "list"),
+    ):
+        shipped = yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())
+        (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump({**shipped, key: value}))
+        with pytest.raises(ValueError, match=rf"^deploy.{key}={value}: must be a {kind}"):
+            k8s.from_files(configs, "auto")
 
 
 def test_out_outside_the_project_is_refused_unless_forced(tmp_path):

@@ -285,6 +285,16 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
                 )
     else:
         check(False, "node_selector", "must be a mapping of node label to value")
+    # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
+    for key, kind in (("extra_resources", Mapping), ("capabilities", list), ("pod_labels", Mapping),
+                      ("pod_annotations", Mapping)):  # fmt: skip
+        check(
+            isinstance(deploy[key], kind),
+            key,
+            f"must be a {'mapping' if kind is Mapping else 'list'}",
+        )
+    if found:
+        return found
     for key, count in deploy["extra_resources"].items():
         if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
             found.append(f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
