@@ -243,19 +243,30 @@ def assert_pods_are_what_the_launch_line_expects(cluster, pods: list[dict], name
         assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
 
 
+def project_make(cluster, default_project, installed_default, tmp_path):
+    """make(*args) -> the CompletedProcess of `make` in a copy of the default project, with the
+    installed project and the API server's kubectl first on PATH, as a user's shell would have."""
+    project = tmp_path / "ddp-project"
+    shutil.copytree(default_project, project)
+    env = {k: v for k, v in cluster.env.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
+    env |= {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(installed_default)}
+
+    def make(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+    return make
+
+
 def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
     cluster, default_project, installed_default, tmp_path
 ):
     """The project's own `make k8s-apply`: one node, then two (a claim of the other access mode,
     not a clash), then a new image (a Job's pod template is immutable: it is replaced); the Job
     controller's pods each time; then the README's delete leaves nothing."""
-    project = tmp_path / "ddp-project"
-    shutil.copytree(default_project, project)
-    env = {k: v for k, v in cluster.env.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
-    env |= {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(installed_default)}
+    project_run = project_make(cluster, default_project, installed_default, tmp_path)
 
     def make(*args: str) -> None:
-        done = subprocess.run(["make", *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        done = project_run(*args)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "Warning" not in done.stderr, done.stderr  # e.g. "would violate PodSecurity"
 
@@ -287,13 +298,10 @@ def test_k8s_apply_keeps_the_running_job_until_the_server_accepts_the_new_one_an
     """`make k8s-apply` asks the server first: a value only the server refuses (an int32 field past
     its range) leaves the running Job as it was, in one line. A change of flavor replaces the Job
     and its Service with a JobSet, and keeps the claim."""
-    project = tmp_path / "ddp-project"
-    shutil.copytree(default_project, project)
-    env = {k: v for k, v in cluster.env.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
-    env |= {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(installed_default)}
+    project_run = project_make(cluster, default_project, installed_default, tmp_path)
 
     def make(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["make", "-s", *args], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        return project_run("-s", *args)
 
     name = "ddp-project"
     label = f"app.kubernetes.io/name={name}"

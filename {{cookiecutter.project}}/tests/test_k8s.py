@@ -200,18 +200,23 @@ def test_requests_and_limits_scale_with_the_gpus(compose_train):
     assert k8s.resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
 
 
-def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
-    workload = found[f"{flavor}.yaml"]
+def pod_template(workload: dict, flavor: str) -> dict:
+    """The pod template (metadata and spec) in `workload`, where each flavor holds it."""
     spec = workload["spec"]
     if flavor == "trainjob":
         (patch,) = spec["runtimePatches"]
         (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-        return node["template"]["spec"]["template"]["spec"], workload
+        return node["template"]["spec"]["template"]
     if flavor == "pytorchjob":
-        return spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"], workload
+        return spec["pytorchReplicaSpecs"]["Worker"]["template"]
     if flavor == "jobset":
         spec = spec["replicatedJobs"][0]["template"]["spec"]
-    return spec["template"]["spec"], workload
+    return spec["template"]
+
+
+def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
+    workload = found[f"{flavor}.yaml"]
+    return pod_template(workload, flavor)["spec"], workload
 
 
 @pytest.mark.parametrize("flavor", k8s.FLAVORS)
@@ -368,12 +373,7 @@ def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavo
     )
     (container,) = pod["containers"]
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
-    metadata = {
-        "trainjob": lambda w: w["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"],
-        "pytorchjob": lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["metadata"],
-        "jobset": lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"],
-        "job": lambda w: w["spec"]["template"]["metadata"],
-    }[flavor](workload)  # fmt: skip
+    metadata = pod_template(workload, flavor)["metadata"]
     assert metadata["annotations"] == {"k8s.v1.cni.cncf.io/networks": "ib-net"}
     assert metadata["labels"]["team"] == "vision" and metadata["labels"]["app.kubernetes.io/name"]
     deploy = deploy_of(compose_train, "deploy.capabilities=[IPC_LOCK,NET_BIND_SERVICE]")
@@ -395,7 +395,7 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
     monkeypatch.setenv("PATH", str(tmp_path))
     folder = tmp_path / "k8s"
     folder.mkdir()
-    meta = {"name": "p", "namespace": "ns", "labels": {apply.LABEL: "p"}}
+    meta = {"name": "p", "namespace": "ns", "labels": k8s.labels("p")}
     (folder / "job.yaml").write_text(yaml.safe_dump({"kind": "Job", "metadata": meta}))
     calls = []
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-LABEL = "app.kubernetes.io/name"
+from {{ cookiecutter.package }}.k8s import NAME_LABEL
+
 # The kinds this project renders that a new render may leave behind, as kubectl names them.
 WORKLOADS = {
     "Job": "jobs.batch",
@@ -67,17 +68,16 @@ def server_check(objects: list[dict[str, Any]]) -> None:
             )
 
 
-def to_delete(objects: list[dict[str, Any]], known: set[str]) -> list[str]:
+def to_delete(objects: list[dict[str, Any]], namespace: str, known: set[str]) -> list[str]:
     """kind/name of the project's objects on the cluster that the apply replaces or leaves stale."""
-    (name,) = {manifest["metadata"]["labels"][LABEL] for manifest in objects}
-    (namespace,) = {manifest["metadata"]["namespace"] for manifest in objects}
+    (name,) = {manifest["metadata"]["labels"][NAME_LABEL] for manifest in objects}
     rendered = {(REPLACED_IF_STALE.get(m["kind"]), m["metadata"]["name"]) for m in objects}
     found = []
     for resource in [*WORKLOADS.values(), *REPLACED_IF_STALE.values()]:
         if resource not in known:
             continue  # a CRD this cluster does not have: nothing of that kind to delete
         names = kubectl(
-            "get", resource, "-n", namespace, "-l", f"{LABEL}={name}", "-o", "name"
+            "get", resource, "-n", namespace, "-l", f"{NAME_LABEL}={name}", "-o", "name"
         ).split()
         for kind_and_name in names:
             if (
@@ -106,7 +106,7 @@ def main(folder: Path = Path("k8s")) -> int:
         return 1
     try:
         known = set(kubectl("api-resources", "-o", "name").split())
-        for kind_and_name in to_delete(objects, known):
+        for kind_and_name in to_delete(objects, namespace, known):
             cascade = ("--cascade=foreground", "--wait", "--ignore-not-found")
             kubectl("delete", "-n", namespace, kind_and_name, *cascade)
             print(f"deleted {kind_and_name}")

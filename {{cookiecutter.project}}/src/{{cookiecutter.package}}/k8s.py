@@ -363,8 +363,11 @@ def nccl_env(profile_fields: Mapping[str, Any]) -> dict[str, str]:
     return {var: value for var, (value, _) in sorted(nccl.config_env(fields).items())}
 
 
+NAME_LABEL = "app.kubernetes.io/name"  # every object of the project carries it: make k8s-apply finds them by it
+
+
 def labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "training"}
+    return {NAME_LABEL: name, "app.kubernetes.io/component": "training"}
 
 
 def pod_metadata(deploy: Mapping[str, Any]) -> dict:
@@ -471,6 +474,13 @@ def resources(deploy: Mapping[str, Any], gpus: bool = True) -> dict:
     return {"requests": requests | extra, "limits": {**limits, "memory": memory, **extra}}
 
 
+def added_capabilities(deploy: Mapping[str, Any]) -> dict:
+    """deploy.capabilities on top of dropping all of them, as READ_ONLY_ROOT does."""
+    if not deploy["capabilities"]:
+        return {}
+    return {"capabilities": READ_ONLY_ROOT["capabilities"] | {"add": list(deploy["capabilities"])}}
+
+
 def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict:
     command, args, launch_env = launch(deploy)
     values = {**env, **FRESH_WORKER_STORE, "PYTHONUNBUFFERED": "1", **WRITABLE_HOME}
@@ -482,12 +492,7 @@ def trainer_container(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict
         "args": args,
         "env": [{"name": var, "value": value} for var, value in values.items()] + launch_env,
         "resources": resources(deploy),
-        "securityContext": READ_ONLY_ROOT
-        | (
-            {"capabilities": {"drop": ["ALL"], "add": list(deploy["capabilities"])}}
-            if deploy["capabilities"]
-            else {}
-        ),
+        "securityContext": READ_ONLY_ROOT | added_capabilities(deploy),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             TMP_MOUNT,
