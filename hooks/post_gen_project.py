@@ -12,13 +12,14 @@ ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 # The renderer needs only the standard library and PyYAML (a dependency of cookiecutter).
 sys.path.insert(0, "src")
 sys.dont_write_bytecode = True  # a new project holds what was rendered: no __pycache__ in src/
-k8s = importlib.import_module(f"{ANSWERS['package']}.k8s")
+render = importlib.import_module(f"{ANSWERS['package']}.k8s.render")
+sync = importlib.import_module(f"{ANSWERS['package']}.k8s.sync")
 try:
-    rendered = k8s.from_files(Path("configs"), ANSWERS["nccl_profile"])
-except ValueError as problem:  # a deploy value k8s.py refuses: one line; cookiecutter removes the project
+    rendered = render.from_files(Path("configs"), ANSWERS["nccl_profile"])
+except ValueError as problem:  # a deploy value the renderer refuses: one line; cookiecutter removes the project
     print(f"error: {problem}", file=sys.stderr, flush=True)
     sys.exit(1)
-k8s.write(rendered, Path("k8s"))
+sync.write(rendered, Path("k8s"))
 
 STEPS = [  # the same lines as the quick starts of the project's and the template's READMEs
     "python3 -m venv .venv && . .venv/bin/activate",

@@ -310,10 +310,16 @@ def trainer_pod_template(trainjob: dict) -> dict:
     return template
 
 
+def pod_template_in(workload: dict, flavor: str) -> dict:
+    """The pod template of every node's pod, as the flavor's controller makes the pods from it."""
+    if flavor == "trainjob":
+        return trainer_pod_template(workload)
+    if flavor == "pytorchjob":
+        return workload["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    if flavor == "jobset":
+        return workload["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    return workload["spec"]["template"]
+
+
 def pod_template_of(rendered) -> dict:
-    """The pod template of every node's pod, whichever object holds it."""
-    if rendered.flavor == "trainjob":
-        return trainer_pod_template(manifest_of(rendered))
-    if rendered.flavor == "pytorchjob":
-        return manifest_of(rendered)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    return job_of(rendered)["spec"]["template"]
+    return pod_template_in(manifest_of(rendered), rendered.flavor)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_template_of
+from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_template_in, pod_template_of
 
 SHARED = TEMPLATE.parent / "shared" / "k8s"
 TRAINER = SHARED / "reference" / "kubeflow-trainer-v2.3.0" / "pkg"
@@ -109,6 +109,85 @@ def test_rdma_settings_pass_the_strict_dry_run_and_restricted_warns_of_ipc_lock(
     assert len(lines) == len(files) and all(line.endswith(" created (server dry run)") for line in lines)
     # restricted warns on the workloads whose pod template it reads (Job, and a JobSet's none)
     assert 'would violate PodSecurity "restricted:latest"' in done.stderr and '"IPC_LOCK"' in done.stderr
+
+
+# Every platform setting but added capabilities (which restricted refuses: the test above), set
+# as a user would on the command line.
+PLATFORM_SETTINGS = [
+    "deploy.runs_access_mode=ReadWriteMany", "deploy.queue=team-a", "deploy.queue_priority=high",
+    "deploy.topology=cloud.provider.com/topology-rack", "deploy.topology_mode=preferred",
+    "deploy.one_pod_per_node=true", "deploy.guaranteed=true", "deploy.image_pull_secrets=[ghcr-pull]",
+    "deploy.affinity.nodeAffinity={requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: "
+    "[{matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [a, b]}]}]}}",
+    "deploy.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+    "deploy.node_selector={nvidia.com/gpu.product: NVIDIA-H200}", "deploy.storage_class=cephfs",
+    "deploy.extra_resources={rdma/rdma_shared_device_a: 1}", "deploy.pod_labels.team=vision",
+    "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks: ib-net}", "nccl.env.GLOO_SOCKET_IFNAME=eth1",
+]  # fmt: skip
+# One process renders every flavor x 1, 2 and 4 nodes from one composed config, as the renderer
+# would for each (its check included): 12 renders of the command line would take a minute.
+RENDER_ALL = """
+import json, sys
+from ddp_project.check import load_config
+from ddp_project.k8s import checks, render
+from ddp_project.k8s.__main__ import deploy_and_profile
+from ddp_project.k8s.flavors import FLAVORS
+from ddp_project.k8s.pods import nccl_env
+from ddp_project.config import hydra_overrides
+deploy, profile = deploy_and_profile(load_config(hydra_overrides(sys.argv[1:]), this_node=False))
+out = {}
+for flavor in FLAVORS:
+    for nodes in (1, 2, 4):
+        each = deploy | {"flavor": flavor, "nodes": nodes, "name": f"p-{flavor}-{nodes}"}
+        assert checks.deploy_errors(each) == [], checks.deploy_errors(each)
+        out[f"{flavor}-{nodes}"] = render.manifests(each, nccl_env(profile))
+print(json.dumps(out))
+"""
+
+
+def test_platform_settings_on_every_flavor_and_node_count_pass_the_server_and_restricted(
+    cluster, installed_default, default_project
+):
+    """Every flavor x 1, 2 and 4 nodes with the platform settings set: the objects pass the strict
+    server dry run, and each one's pod, as its controller makes it, is admitted under PodSecurity
+    restricted with QoS Guaranteed (deploy.guaranteed) and the settings where the scheduler reads them."""
+    env = {**os.environ, "PYTHONPATH": str(installed_default)}
+    done = subprocess.run([sys.executable, "-c", RENDER_ALL, *PLATFORM_SETTINGS], cwd=default_project, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    renders = {key: {f: yaml.safe_load(t) for f, t in files.items()} for key, files in json.loads(done.stdout).items()}
+    objects = [manifest for files in renders.values() for manifest in files.values()]
+    listed = {"apiVersion": "v1", "kind": "List", "items": objects}
+    applied = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=json.dumps(listed))
+    assert applied.stdout.count(" created (server dry run)") == len(objects), applied.stdout
+    accounts = [m for m in objects if m["kind"] == "ServiceAccount"]
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": accounts}))
+    pods = []
+    for key, files in renders.items():
+        flavor = key.rpartition("-")[0]
+        workload = files[f"{flavor}.yaml"]
+        template = pod_template_in(workload, flavor)
+        metadata = {**template["metadata"], "name": f"{key}-0", "namespace": NAMESPACE}
+        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]})
+    try:
+        created = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                  stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}))  # fmt: skip
+    finally:
+        cluster.kubectl("delete", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": accounts}))
+    assert created.stderr == ""  # no PodSecurity warning
+    served = json_objects(created.stdout)
+    assert len(served) == 12
+    for pod in served:
+        where = pod["metadata"]["name"]
+        assert pod["status"]["qosClass"] == "Guaranteed", where
+        spec, annotations = pod["spec"], pod["metadata"]["annotations"]
+        (spread,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname", where
+        assert spec["affinity"]["nodeAffinity"], where
+        assert spec["imagePullSecrets"] == [{"name": "ghcr-pull"}], where
+        assert annotations["kueue.x-k8s.io/podset-preferred-topology"] == "cloud.provider.com/topology-rack", where
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert env["GLOO_SOCKET_IFNAME"] == "eth1", where
 
 
 def json_objects(text: str) -> list[dict]:
@@ -295,8 +374,9 @@ def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
 def test_k8s_apply_keeps_the_running_job_until_the_server_accepts_the_new_one_and_leaves_nothing_stale(
     cluster, default_project, installed_default, tmp_path
 ):
-    """`make k8s-apply` asks the server first: a value only the server refuses (an int32 field past
-    its range) leaves the running Job as it was, in one line. A change of flavor replaces the Job
+    """`make k8s-apply` asks the server first: a value only the server can judge (a namespace it
+    does not have; the renderer refuses what it can know, such as an int32 past its range) leaves
+    the running Job as it was, in one line. A change of flavor replaces the Job
     and its Service with a JobSet, and keeps the claim."""
     project_run = project_make(cluster, default_project, installed_default, tmp_path)
 
@@ -311,15 +391,15 @@ def test_k8s_apply_keeps_the_running_job_until_the_server_accepts_the_new_one_an
     before = {item["metadata"]["name"]: item["metadata"]["uid"] for item in cluster.get(mine, "-l", label)["items"]}
     assert set(before) == {name, f"{name}-runs-rwx"}  # the Job and its Service share the name
 
-    refused = make("k8s-apply", "ARGS=deploy.backoff_limit=2000000000")  # x 2 nodes: past int32
+    refused = make("k8s-apply", "ARGS=deploy.namespace=team-b")
     said = [line for line in refused.stderr.splitlines() if not line.startswith("make: ")]
     assert refused.returncode != 0 and len(said) == 1, refused.stderr
     assert said[0].startswith("make k8s-apply: the server refuses k8s/, so the running job is left as it is:")
-    assert "backoffLimit" in said[0]
+    assert 'namespaces "team-b" not found' in said[0]
     after = {item["metadata"]["name"]: item["metadata"]["uid"] for item in cluster.get(mine, "-l", label)["items"]}
     assert after == before
 
-    switched = make("k8s-apply", "ARGS=deploy.backoff_limit=3 deploy.flavor=jobset")
+    switched = make("k8s-apply", "ARGS=deploy.namespace=default deploy.flavor=jobset")
     assert switched.returncode == 0, switched.stderr[-3000:]
     kinds = sorted(f"{item['kind']}/{item['metadata']['name']}" for item in cluster.get(mine, "-l", label)["items"])
     assert kinds == [f"JobSet/{name}", f"PersistentVolumeClaim/{name}-runs-rwx"]

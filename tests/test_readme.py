@@ -173,7 +173,7 @@ CLASSIFIED = [
     (r"make (demo|clean)$", "template-make"),
     (r"make ", "make"),
     (r"kubectl ", "kubectl"),
-    (r"python -m {package}\.apply$", "cluster"),  # make k8s-apply's last step
+    (r"python -m {package}\.k8s\.apply$", "cluster"),  # make k8s-apply's last step
     (r"docker ", "docker"),
     (r"(python3? -m )?pip install ", "pip"),
     (r'python -c "import torch"', "ready"),  # make's guards before a target that needs torch

@@ -81,9 +81,15 @@ BAD = [
         "nccl=fastest",
         "nccl=fastest: no such option; allowed: auto, infiniband, nccl_default, pcie_safe, socket",
     ),
-    ("+nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* or TORCH_NCCL_*"),
-    ("nccl.env.LD_PRELOAD=x.so", "nccl.env.LD_PRELOAD: keys must be NCCL_* or TORCH_NCCL_*"),
-    ("nccl.env.nccl_algo=Ring", "nccl.env.nccl_algo: keys must be NCCL_* or TORCH_NCCL_*"),
+    (
+        "+nccl.env.LD_PRELOAD=x.so",
+        "nccl.env.LD_PRELOAD: keys must be NCCL_*, TORCH_NCCL_* or GLOO_*",
+    ),
+    (
+        "nccl.env.LD_PRELOAD=x.so",
+        "nccl.env.LD_PRELOAD: keys must be NCCL_*, TORCH_NCCL_* or GLOO_*",
+    ),
+    ("nccl.env.nccl_algo=Ring", "nccl.env.nccl_algo: keys must be NCCL_*, TORCH_NCCL_* or GLOO_*"),
     (
         "nccl.env.NCCL_P2P_DISABLE=1",
         "nccl.env.NCCL_P2P_DISABLE: set it with nccl.p2p_disable instead",
@@ -127,7 +133,7 @@ BAD = [
     ),
     ("trainer.lr=-inf", "trainer.lr=-inf: must be a finite number above 0"),
     ("trainer.lr=null", "trainer.lr: field 'trainer.lr' is not Optional"),
-    ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 or more"),
+    ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 to 2147483647"),
     (
         "deploy.flavor=mpijob",
         "deploy.flavor: Invalid value 'mpijob', expected one of [job, jobset, pytorchjob, trainjob]",

@@ -1,18 +1,20 @@
 """The deploy group: each bad value is refused in one line before anything is written, and what
 the pods ask of a node, and where they may run, follows from the config."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PACKAGE, deploy_defaults
+from conftest import PACKAGE, deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import apply, k8s
 from {{ cookiecutter.package }}.check import config_problem
 from {{ cookiecutter.package }}.config import hydra_overrides
+from {{ cookiecutter.package }}.k8s import apply, meta, pods, render
+from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [
@@ -30,7 +32,51 @@ BAD = [
         "deploy.flavor=trainjob deploy.image_pull_policy=Always",
         "deploy.image_pull_policy=Always: a TrainJob cannot set it",
     ),
-    ("deploy.nodes=0", "deploy.nodes=0: must be at least 1"),
+    ("deploy.nodes=0", "deploy.nodes=0: must be 1 to 100000"),
+    (
+        "deploy.nodes=100001",
+        "deploy.nodes=100001: must be 1 to 100000 (an Indexed Job's most completions)",
+    ),
+    (  # the rendered backoffLimit is backoff_limit x nodes, an int32
+        "deploy.nodes=4 deploy.runs_access_mode=ReadWriteMany deploy.backoff_limit=600000000",
+        "deploy.backoff_limit=600000000: must be 0 to 536870911",
+    ),
+    ("deploy.max_restarts=2147483648", "deploy.max_restarts=2147483648: must be 0 to 2147483647"),
+    (
+        "deploy.ttl_after_finished_s=2147483648",
+        "deploy.ttl_after_finished_s=2147483648: must be null (keep) or seconds, 0 to",
+    ),
+    (
+        "deploy.affinity={nodeAfinity:{}}",
+        "deploy.affinity.nodeAfinity: no such key; allowed: nodeAffinity, podAffinity",
+    ),
+    ("deploy.affinity={podAffinity:[]}", "deploy.affinity.podAffinity: must be a mapping"),
+    (
+        "deploy.one_pod_per_node=true deploy.affinity={podAntiAffinity:{}}",
+        "deploy.one_pod_per_node=True: is a podAntiAffinity of its own",
+    ),
+    ("deploy.image_pull_secrets=[Ghcr]", "deploy.image_pull_secrets: Ghcr: must be a Secret name"),
+    (
+        "deploy.queue_priority=high",
+        "deploy.queue_priority=high: only Kueue reads it: set deploy.queue too",
+    ),
+    (
+        "deploy.queue=q deploy.queue_priority=High",
+        "deploy.queue_priority=High: must be null or a Kueue WorkloadPriorityClass",
+    ),
+    (
+        "deploy.queue=q deploy.topology=rack_",
+        "deploy.topology=rack_: must be null or a node label key",
+    ),
+    (
+        "deploy.topology=cloud.provider.com/topology-rack",
+        "deploy.topology=cloud.provider.com/topology-rack: only Kueue reads it",
+    ),
+    ("deploy.topology_mode=strict", "deploy.topology_mode: Invalid value 'strict'"),
+    (
+        "+deploy.pod_annotations.big=" + "x" * 262144,
+        "deploy.pod_annotations: 262147 bytes in all; a pod's annotations hold at most 262144",
+    ),
     ("deploy.gpus_per_node=17", "deploy.gpus_per_node=17: must be 1 to 16"),
     ("deploy.cpu_per_gpu=0", "deploy.cpu_per_gpu=0: must be a CPU quantity above 0"),
     ("deploy.cpu_per_gpu=0.0001", "deploy.cpu_per_gpu=0.0001: must be a CPU quantity"),
@@ -71,7 +117,7 @@ BAD = [
     ("deploy.pod_labels={team:_a}", "deploy.pod_labels.team=_a: must be a label value"),
     (
         "deploy.pod_labels={app.kubernetes.io/name:x}",
-        "deploy.pod_labels.app.kubernetes.io/name: must be a label key",
+        "deploy.pod_labels.app.kubernetes.io/name: is this project's own label",
     ),
     ("deploy.pod_annotations={-x:1}", "deploy.pod_annotations.-x: must be an annotation key"),
     ("deploy.rdzv_timeout_s=9", "deploy.rdzv_timeout_s=9: must be 10 to 86400 seconds (a day)"),
@@ -99,7 +145,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("overrides", "message"), BAD, ids=[o for o, _ in BAD])
+@pytest.mark.parametrize(("overrides", "message"), BAD, ids=[o[:80] for o, _ in BAD])
 def test_each_bad_deploy_value_is_one_line(overrides, message):
     problem = config_problem(overrides.split(" "))
     assert problem is not None and "\n" not in problem
@@ -114,7 +160,10 @@ def test_k8s_writes_nothing_for_a_bad_value(tmp_path):
         text=True,
     )
     assert done.returncode == 2
-    assert done.stderr == "config error: deploy.nodes=0: must be at least 1\n"
+    assert (
+        done.stderr
+        == "config error: deploy.nodes=0: must be 1 to 100000 (an Indexed Job's most completions)\n"
+    )
     assert not out.exists()
 
 
@@ -126,19 +175,23 @@ def test_the_hooks_plain_yaml_path_refuses_the_same_way(tmp_path):
         for path in (ROOT / "configs" / group).glob("*.yaml"):
             (configs / group / path.name).write_text(path.read_text())
     deploy = yaml.safe_load((configs / "deploy" / "default.yaml").read_text())
-    assert k8s.from_files(configs, "auto")  # the shipped values pass
+    assert render.from_files(configs, "auto")  # the shipped values pass
     deploy["memory_per_gpu"] = "24 Gi"
     (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump(deploy))
     with pytest.raises(ValueError, match=r"^deploy.memory_per_gpu=24 Gi: must be a size"):
-        k8s.from_files(configs, "auto")
-    for key, value, kind in (
-        ("extra_resources", None, "mapping"),
-        ("capabilities", "IPC_LOCK", "list"),
+        render.from_files(configs, "auto")
+    for key, value, allowed in (
+        ("extra_resources", None, "must be a mapping"),
+        ("capabilities", "IPC_LOCK", "must be a list"),
+        ("affinity", [], "must be a mapping"),
+        ("image_pull_secrets", "ghcr-pull", "must be a list"),
+        ("guaranteed", "yes", "must be true or false"),
+        ("one_pod_per_node", 1, "must be true or false"),
     ):
         shipped = yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())
         (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump({**shipped, key: value}))
-        with pytest.raises(ValueError, match=rf"^deploy.{key}={value}: must be a {kind}"):
-            k8s.from_files(configs, "auto")
+        with pytest.raises(ValueError, match=rf"^deploy.{key}={re.escape(str(value))}: {allowed}"):
+            render.from_files(configs, "auto")
 
 
 def test_out_outside_the_project_is_refused_unless_forced(tmp_path):
@@ -160,9 +213,9 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     """k8s/ is rendered on a laptop or in CI for a GPU cluster: no torch import, no GPU check."""
     out = tmp_path / "k8s"
     blocked = "import sys; sys.modules['torch'] = None"  # `import torch` raises from here on
-    render = f"{blocked}; from {PACKAGE}.k8s import main; sys.argv[1:] = ['--force', '--out', {str(out)!r}]; sys.exit(main())"
+    script = f"{blocked}; from {PACKAGE}.k8s.__main__ import main; sys.argv[1:] = ['--force', '--out', {str(out)!r}]; sys.exit(main())"
     done = subprocess.run(
-        [sys.executable, "-c", render], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert (out / f"{deploy_defaults()['flavor']}.yaml").exists()
@@ -178,14 +231,14 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
 
 
 def deploy_of(compose_train, *overrides: str) -> dict:
-    # read and checked as k8s.main reads them: a map's entries added with ++
+    # read and checked as python -m <package>.k8s reads them: a map's entries added with ++
     cfg = OmegaConf.to_object(compose_train(*hydra_overrides(list(overrides))))
     return OmegaConf.to_container(OmegaConf.structured(cfg.deploy), enum_to_str=True)
 
 
 def objects(compose_train, *overrides: str) -> dict:
     deploy = deploy_of(compose_train, *overrides)
-    return {file: yaml.safe_load(text) for file, text in k8s.manifests(deploy, {}).items()}
+    return {file: yaml.safe_load(text) for file, text in render.manifests(deploy, {}).items()}
 
 
 def test_requests_and_limits_scale_with_the_gpus(compose_train):
@@ -193,11 +246,11 @@ def test_requests_and_limits_scale_with_the_gpus(compose_train):
         compose_train, "deploy.gpus_per_node=3", "deploy.cpu_per_gpu=1500m",
         "deploy.memory_per_gpu=10Gi", "deploy.shm_size=1536Mi", "deploy.ephemeral_storage=20Gi",
     )  # fmt: skip
-    assert k8s.resources(deploy) == {
+    assert pods.resources(deploy) == {
         "requests": {"cpu": "4500m", "memory": "32256Mi", "ephemeral-storage": "20Gi"},
         "limits": {"nvidia.com/gpu": 3, "memory": "32256Mi"},  # 3 x 10Gi + /dev/shm
     }
-    assert k8s.resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
+    assert pods.resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
 
 
 def pod_template(workload: dict, flavor: str) -> dict:
@@ -219,19 +272,43 @@ def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
     return pod_template(workload, flavor)["spec"], workload
 
 
-@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+ZONE_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]}]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
 def test_scheduling_values_land_where_each_controller_reads_them(compose_train, flavor):
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     found = objects(
         compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany", "deploy.queue=team-a",
         "deploy.tolerations=[{key:nvidia.com/gpu,operator:Exists,effect:NoSchedule}]",
         "+deploy.node_selector={nvidia.com/gpu.product:H100}", "deploy.active_deadline_s=3600",
+        "deploy.affinity.nodeAffinity={requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: "
+        "[{matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [a]}]}]}}",
+        "deploy.one_pod_per_node=true", "deploy.image_pull_secrets=[ghcr-pull]", "deploy.guaranteed=true",
+        "deploy.queue_priority=high", "deploy.topology=cloud.provider.com/topology-rack",
         *([] if flavor == "trainjob" else ["deploy.priority_class=training"]),
     )  # fmt: skip
     pod, workload = pod_and_workload(found, flavor)
-    assert workload["metadata"]["labels"][k8s.QUEUE_LABEL] == "team-a"
+    assert workload["metadata"]["labels"][meta.QUEUE_LABEL] == "team-a"
+    assert workload["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"
+    assert pod_template(workload, flavor)["metadata"]["annotations"] == {
+        "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-rack"
+    }
     assert pod["tolerations"] == [toleration]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    name = workload["metadata"]["name"]
+    assert pod["affinity"] == ZONE_AFFINITY | {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": name}}, "topologyKey": "kubernetes.io/hostname"}]}}  # fmt: skip
+    assert pod["imagePullSecrets"] == [{"name": "ghcr-pull"}]
+    resources = (
+        workload["spec"]["trainer"]["resourcesPerNode"]
+        if flavor == "trainjob"
+        else pod["containers"][0]["resources"]
+    )
+    assert {k: resources["limits"][k] for k in ("cpu", "memory")} == {
+        k: resources["requests"][k] for k in ("cpu", "memory")
+    }
     if flavor == "trainjob":  # no priorityClassName or token setting in Trainer's patches
         assert pod["serviceAccountName"] == workload["metadata"]["name"]
         assert found["serviceaccount.yaml"]["automountServiceAccountToken"] is False
@@ -249,8 +326,13 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
 
 def test_no_scheduling_values_by_default(compose_train):
     pod, workload = pod_and_workload(objects(compose_train, "deploy.flavor=job"), "job")
-    assert not {"tolerations", "nodeSelector", "priorityClassName"} & pod.keys()
-    assert k8s.QUEUE_LABEL not in workload["metadata"]["labels"]
+    assert (
+        not {"tolerations", "nodeSelector", "priorityClassName", "affinity", "imagePullSecrets"}
+        & pod.keys()
+    )
+    assert meta.QUEUE_LABEL not in workload["metadata"]["labels"]
+    assert "annotations" not in workload["spec"]["template"]["metadata"]
+    assert "cpu" not in pod["containers"][0]["resources"]["limits"]  # Burstable: no CPU throttling
     assert "activeDeadlineSeconds" not in workload["spec"]
     assert workload["spec"]["ttlSecondsAfterFinished"] == 604800
 
@@ -276,7 +358,7 @@ def test_the_runs_volume_comes_from_the_storage_class_or_the_claim_given(compose
         compose_train, "deploy.storage_class=cephfs", "deploy.runs_access_mode=ReadWriteMany"
     )
     assert found["runs-pvc.yaml"]["spec"]["storageClassName"] == "cephfs"
-    for flavor in k8s.FLAVORS:
+    for flavor in FLAVORS:
         found = objects(
             compose_train,
             f"deploy.flavor={flavor}",
@@ -299,7 +381,7 @@ def test_a_trainjob_sets_none_of_the_env_trainer_reserves(compose_train):
     assert trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
 
 
-@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+@pytest.mark.parametrize("flavor", FLAVORS)
 def test_the_rendezvous_timeout_reaches_each_flavors_torchrun(compose_train, flavor):
     """deploy.rdzv_timeout_s, at least 10 minutes by default, becomes torchrun's --rdzv-conf in
     each flavor's launch line; a PyTorchJob's operator passes elasticPolicy.rdzvConf to torchrun
@@ -332,9 +414,9 @@ def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
     """Without deploy.queue, pods that start hold their GPUs while one stays Pending: k8s says
     so for several nodes (tests/test_project_files.py), not for one, nor with a queue."""
     several = ("deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany")
-    assert k8s.admission_note(deploy_of(compose_train, *several)).startswith("note: 2 pods")
-    assert k8s.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
-    assert k8s.admission_note(deploy_of(compose_train, *several, "deploy.queue=team-a")) is None
+    assert render.admission_note(deploy_of(compose_train, *several)).startswith("note: 2 pods")
+    assert render.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
+    assert render.admission_note(deploy_of(compose_train, *several, "deploy.queue=team-a")) is None
 
 
 def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, capsys):
@@ -350,7 +432,7 @@ def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, c
     )
 
 
-@pytest.mark.parametrize("flavor", k8s.FLAVORS)
+@pytest.mark.parametrize("flavor", FLAVORS)
 def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavor):
     """What InfiniBand pods need, set from the command line as maps and lists: the RDMA device
     plugin's resource (requested and limited, as extended resources must be), IPC_LOCK, and a
@@ -377,13 +459,27 @@ def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavo
     assert metadata["annotations"] == {"k8s.v1.cni.cncf.io/networks": "ib-net"}
     assert metadata["labels"]["team"] == "vision" and metadata["labels"]["app.kubernetes.io/name"]
     deploy = deploy_of(compose_train, "deploy.capabilities=[IPC_LOCK,NET_BIND_SERVICE]")
-    assert k8s.capabilities_note(deploy).startswith(
+    assert render.capabilities_note(deploy).startswith(
         "note: deploy.capabilities IPC_LOCK: a namespace"
     )
     assert (
-        k8s.capabilities_note(deploy_of(compose_train, "deploy.capabilities=[NET_BIND_SERVICE]"))
+        render.capabilities_note(deploy_of(compose_train, "deploy.capabilities=[NET_BIND_SERVICE]"))
         is None
     )
+
+
+def test_gloo_variables_reach_the_pods_env_as_nccl_ones_do(compose_train):
+    """The gloo backend (CPU runs, torch's CPU-side groups) picks its interface from
+    GLOO_SOCKET_IFNAME: on a pod with several networks it is set beside NCCL_SOCKET_IFNAME."""
+    deploy = deploy_of(compose_train)
+    profile = OmegaConf.to_container(
+        compose_train("nccl=socket", "+nccl.env.GLOO_SOCKET_IFNAME=eth1").nccl, enum_to_str=True
+    )
+    workload = yaml.safe_load(
+        render.manifests(deploy, pods.nccl_env(profile))[f"{deploy['flavor']}.yaml"]
+    )
+    env = {e["name"]: e.get("value") for e in trainer_container(deploy["flavor"], workload)["env"]}
+    assert env["GLOO_SOCKET_IFNAME"] == "eth1"
 
 
 def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
@@ -395,8 +491,8 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
     monkeypatch.setenv("PATH", str(tmp_path))
     folder = tmp_path / "k8s"
     folder.mkdir()
-    meta = {"name": "p", "namespace": "ns", "labels": k8s.labels("p")}
-    (folder / "job.yaml").write_text(yaml.safe_dump({"kind": "Job", "metadata": meta}))
+    metadata = {"name": "p", "namespace": "ns", "labels": meta.labels("p")}
+    (folder / "job.yaml").write_text(yaml.safe_dump({"kind": "Job", "metadata": metadata}))
     calls = []
 
     def interrupted(*args, stdin=None):

@@ -28,8 +28,11 @@ import yaml
 from conftest import deploy_defaults, launcher_bin, read_metrics, trainer_container, worker_pids
 from torch.distributed.run import config_from_args
 
-from {{ cookiecutter.package }} import check, k8s, launch
+from {{ cookiecutter.package }} import check, launch
 from {{ cookiecutter.package }}.checkpoint import checkpoint_paths
+from {{ cookiecutter.package }}.k8s import __main__ as cli
+from {{ cookiecutter.package }}.k8s import render
+from {{ cookiecutter.package }}.k8s.pods import nccl_env
 from {{ cookiecutter.package }}.launch import COMMAND
 
 NODES, GPUS = 2, 2
@@ -154,8 +157,8 @@ def rendered_pods(flavor: str, gpus: int, *deploy: str) -> dict:
         ],
         this_node=False,
     )
-    deploy, profile = k8s.deploy_and_profile(config)
-    manifest = yaml.safe_load(k8s.manifests(deploy, k8s.nccl_env(profile))[f"{flavor}.yaml"])
+    deploy, profile = cli.deploy_and_profile(config)
+    manifest = yaml.safe_load(render.manifests(deploy, nccl_env(profile))[f"{flavor}.yaml"])
     if flavor == "job":
         assert manifest["spec"]["completionMode"] == "Indexed"
     return manifest, trainer_container(flavor, manifest)

@@ -1,6 +1,7 @@
 """The files around the code agree with it: the pods' env block and launch line, whichever
 workload k8s/ holds (deploy.flavor), and the packaged config groups."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -8,7 +9,9 @@ import yaml
 from conftest import deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import k8s, nccl
+from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.k8s import render, sync
+from {{ cookiecutter.package }}.k8s.pods import nccl_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package }}"
@@ -42,13 +45,15 @@ def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
     cfg = compose_train()
     deploy = OmegaConf.to_container(cfg.deploy, enum_to_str=True)
     profile = OmegaConf.to_container(cfg.nccl, enum_to_str=True)
-    assert k8s.differences(k8s.manifests(deploy, k8s.nccl_env(profile)), ROOT / "k8s") == []
+    assert sync.differences(render.manifests(deploy, nccl_env(profile)), ROOT / "k8s") == []
 
 
 def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp_path):
     """`python -m <pkg>.k8s KEY=VALUE` writes the override where the next render (and training)
-    reads it, keeping the line's comment; --check prints a unified diff and the command, or one
-    line when k8s/ matches."""
+    reads it, keeping the file as its author wrote it: every comment, the style of each value
+    (a block list stays block), quotes where YAML 1.1 needs them. Two at once both land, in
+    configs/ and k8s/. A refused override writes nothing. --check prints a unified diff and the
+    command, or one line when k8s/ matches."""
     import shutil
     import subprocess
     import sys
@@ -57,12 +62,19 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     shutil.copytree(
         ROOT, project, ignore=shutil.ignore_patterns(".venv", "outputs", "*.egg-info", "build")
     )
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    block = "tolerations:            # GPU nodes' taint\n  - key: nvidia.com/gpu\n    operator: Exists\n"
+    deploy_file.write_text(re.sub(r"(?m)^tolerations: .*\n", block, deploy_file.read_text()))
     configs = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s"]
 
     def k8s(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s", *args], cwd=project,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [*command, *args], cwd=project, capture_output=True, text=True, timeout=120
+        )
 
+    other = subprocess.Popen([*command, "deploy.pod_labels.yes=on", "deploy.image_pull_secrets=[ghcr-pull]"],
+                             cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     done = k8s(
         "deploy.nodes=2",
         "deploy.runs_access_mode=ReadWriteMany",
@@ -70,23 +82,43 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         "nccl=pcie_safe",
         "deploy.node_selector={pool: gpu}",  # a map whole, or an entry of one: the map is written
         "deploy.pod_labels.team=vision",
+        "deploy.tolerations=[{key: foo, operator: Exists}]",
+        "deploy.pod_annotations.note='a #b'",
         "nccl.env.NCCL_ALGO=Ring",
     )
     assert done.returncode == 0, done.stderr
-    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    assert other.wait(timeout=120) == 0, other.stderr.read()
     assert f"wrote deploy.nodes=2 -> {deploy_file}" in done.stdout
     assert done.stdout.splitlines()[-1].startswith(
         "note: 2 pods and no deploy.queue: nothing admits them together"
     )
     deploy = yaml.safe_load(deploy_file.read_text())
     assert (deploy["nodes"], deploy["image"]) == (2, "ghcr.io/acme/x:2.0")
-    assert (deploy["node_selector"], deploy["pod_labels"]) == ({"pool": "gpu"}, {"team": "vision"})
+    assert (deploy["node_selector"], deploy["pod_annotations"]) == (
+        {"pool": "gpu"},
+        {"note": "a #b"},
+    )
+    assert deploy["pod_labels"] == {
+        "team": "vision",
+        "yes": "on",
+    }  # both runs' entries, whichever went first
+    assert (deploy["tolerations"], deploy["image_pull_secrets"]) == (
+        [{"key": "foo", "operator": "Exists"}],
+        ["ghcr-pull"],
+    )
     profile = yaml.safe_load((project / "configs" / "nccl" / "pcie_safe.yaml").read_text())
     assert profile["env"] == {"NCCL_ALGO": "Ring"}
-    assert any(
-        line.startswith("nodes: 2 ") and "# pods, one per node" in line
-        for line in deploy_file.read_text().splitlines()
-    )
+    text = deploy_file.read_text()
+    assert (
+        "tolerations:            # GPU nodes' taint\n  - key: foo\n    operator: Exists\n" in text
+    )  # block stays block
+    assert re.search(
+        r'(?m)^pod_labels: {.*"yes": "on".*} +# on every pod', text
+    )  # flow stays flow; yes, on quoted
+    comments = [
+        line.rpartition("# ")[2] for line in configs[deploy_file].splitlines() if "# " in line
+    ]
+    assert comments == [line.rpartition("# ")[2] for line in text.splitlines() if "# " in line]
     assert '  - nccl: "pcie_safe"' in (project / "configs" / "train.yaml").read_text()
 
     matches = k8s("--check")  # no overrides: what configs/ says now, rendered with them
@@ -109,10 +141,12 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         differs.stderr
         == f"k8s/ differs from configs/ (1 file(s)); python -m {PACKAGE}.k8s writes it again\n"
     )
-    assert k8s().returncode == 0 and k8s("--check").returncode == 0
+    again = k8s("deploy.pod_annotations.note='c #d'")  # a value with " #" set a second time
+    assert again.returncode == 0 and k8s("--check").returncode == 0, again.stderr
+    assert yaml.safe_load(deploy_file.read_text())["pod_annotations"] == {"note": "c #d"}
 
     before = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
-    for refused in (k8s("trainer.max_steps=3"), k8s("--check", "deploy.nodes=3")):
+    for refused in (k8s("deploy.nodes=3", "trainer.max_steps=3"), k8s("--check", "deploy.nodes=3")):
         assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
     assert {p: p.read_text() for p in (project / "configs").rglob("*.yaml")} == before
     assert before != configs  # the first command's overrides stay where it wrote them

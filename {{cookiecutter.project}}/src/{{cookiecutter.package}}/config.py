@@ -29,7 +29,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from {{ cookiecutter.package }} import k8s, nccl
+from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.k8s.checks import deploy_errors
 from {{ cookiecutter.package }}.world import World
 
 
@@ -472,7 +473,7 @@ class NcclConfig:
     socket_ifname: Optional[str] = None
     debug: Optional[NcclDebug] = None
     debug_subsys: Optional[str] = None
-    # Any other NCCL_* or TORCH_NCCL_* variable: nccl.env.NCCL_ALGO=Ring (null: leave it to NCCL)
+    # Any other NCCL_*, TORCH_NCCL_* or GLOO_* variable: nccl.env.NCCL_ALGO=Ring, nccl.env.GLOO_SOCKET_IFNAME=eth0 (null: leave it unset)
     env: Dict[str, Optional[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -493,6 +494,11 @@ class AccessMode(Enum):
     ReadWriteMany = "ReadWriteMany"  # every node's pod mounts it: what several nodes need
 
 
+class TopologyMode(Enum):
+    required = "required"  # every pod in one domain of deploy.topology, or none admitted
+    preferred = "preferred"  # as few domains as the free nodes allow
+
+
 class PullPolicy(Enum):
     IfNotPresent = "IfNotPresent"
     Always = "Always"
@@ -501,8 +507,8 @@ class PullPolicy(Enum):
 
 @dataclass
 class DeployConfig:
-    """What k8s.py renders into k8s/: the image, where it runs, the shape of the job and what
-    its pods ask of a node. k8s.deploy_errors() checks the values; the hook uses it too."""
+    """What the k8s package renders into k8s/: the image, where it runs, the shape of the job and
+    what its pods ask of a node. k8s.checks.deploy_errors() checks the values; the hook uses it too."""
 
     name: str = MISSING
     image: str = MISSING
@@ -525,18 +531,25 @@ class DeployConfig:
     rdzv_timeout_s: int = MISSING
     ttl_after_finished_s: Optional[int] = MISSING
     active_deadline_s: Optional[int] = MISSING
+    guaranteed: bool = MISSING
     tolerations: List[Dict[str, Any]] = MISSING
     node_selector: Dict[str, str] = MISSING
+    affinity: Dict[str, Any] = MISSING
+    one_pod_per_node: bool = MISSING
     extra_resources: Dict[str, int] = MISSING
     capabilities: List[str] = MISSING
     pod_labels: Dict[str, str] = MISSING
     pod_annotations: Dict[str, str] = MISSING
+    image_pull_secrets: List[str] = MISSING
     priority_class: Optional[str] = MISSING
     queue: Optional[str] = MISSING
+    queue_priority: Optional[str] = MISSING
+    topology: Optional[str] = MISSING
+    topology_mode: TopologyMode = MISSING
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        errors = k8s.deploy_errors(
+        errors = deploy_errors(
             {
                 key: value.value if isinstance(value, Enum) else value
                 for key, value in values.items()
@@ -728,7 +741,7 @@ NCCL_TEXT_KEY = re.compile(
 )
 # The deploy group's maps: their keys are the user's, so an override may add one.
 MAP_KEY = re.compile(
-    r"\+{0,2}deploy\.(node_selector|extra_resources|pod_labels|pod_annotations)[.=]"
+    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations)[.=]"
 )
 SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
 

@@ -36,7 +36,9 @@ TEXT_FIELDS = ("p2p_level", "ib_hca", "socket_ifname", "debug_subsys")
 P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS", "0", "1", "2", "3", "4", "5")
 MAX_VALUE_CHARS = 4096  # an environment variable: Linux refuses one over 128 KiB at exec
 NCCL_VAR = re.compile(r"NCCL_[A-Z0-9_]+")
-TRACKED_VAR = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+")  # what the report shows from the environment
+# What the report shows from the environment, and what nccl.env may set: GLOO_* too, since the
+# gloo backend (CPU runs, and torch's CPU-side groups) reads GLOO_SOCKET_IFNAME as NCCL reads its own.
+TRACKED_VAR = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+|GLOO_[A-Z0-9_]+")
 # torchrun puts these into every worker's environment unless its own environment has them.
 LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 BROKEN = ("failed", "hang")  # outcomes of the peer-copy test that mean "no P2P on this pair"
@@ -188,7 +190,7 @@ def config_errors(nccl_cfg: Any) -> list[str]:
     for var, value in nccl_cfg.env.items():
         if not TRACKED_VAR.fullmatch(var):
             errors.append(
-                f"nccl.env.{var}: keys must be NCCL_* or TORCH_NCCL_* variable names (A-Z, 0-9, _)"
+                f"nccl.env.{var}: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _)"
             )
         elif var in field_of:
             errors.append(f"nccl.env.{var}: set it with {field_of[var]} instead")

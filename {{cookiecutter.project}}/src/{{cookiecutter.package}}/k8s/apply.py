@@ -1,6 +1,6 @@
 """`make k8s-apply`: k8s/ onto the cluster, never leaving the user with nothing running.
 
-    python -m {{ cookiecutter.package }}.apply          # after python -m {{ cookiecutter.package }}.k8s --check, as make k8s-apply runs it
+    python -m {{ cookiecutter.package }}.k8s.apply      # after python -m {{ cookiecutter.package }}.k8s --check, as make k8s-apply runs it
 
 1. The API server checks every object of k8s/ first (a server-side dry run): the job under
    another name of the same length, since a job's pods cannot change in place and the running
@@ -24,15 +24,11 @@ from typing import Any
 
 import yaml
 
-from {{ cookiecutter.package }}.k8s import NAME_LABEL
+from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
+from {{ cookiecutter.package }}.k8s.meta import NAME_LABEL
 
 # The kinds this project renders that a new render may leave behind, as kubectl names them.
-WORKLOADS = {
-    "Job": "jobs.batch",
-    "JobSet": "jobsets.jobset.x-k8s.io",
-    "PyTorchJob": "pytorchjobs.kubeflow.org",
-    "TrainJob": "trainjobs.trainer.kubeflow.org",
-}
+WORKLOADS = {flavor.kind: flavor.resource for flavor in FLAVORS.values()}
 REPLACED_IF_STALE = {"Service": "services", "ServiceAccount": "serviceaccounts"}
 
 
@@ -94,7 +90,7 @@ def main(folder: Path = Path("k8s")) -> int:
         return 1
     objects = [yaml.safe_load(path.read_text()) for path in sorted(folder.glob("*.yaml"))]
     if not objects:
-        print(f"make k8s-apply: {folder}/ holds no manifests: python -m {__package__}.k8s writes them",
+        print(f"make k8s-apply: {folder}/ holds no manifests: python -m {__package__} writes them",
               file=sys.stderr)  # fmt: skip
         return 1
     (namespace,) = {manifest["metadata"]["namespace"] for manifest in objects}

@@ -1,0 +1,112 @@
+"""python -m {{ cookiecutter.package }}.k8s [--check] [--out DIR] [KEY=VALUE ...]: see the package's docstring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from {{ cookiecutter.package }} import k8s
+from {{ cookiecutter.package }}.k8s import persist, render, sync
+from {{ cookiecutter.package }}.k8s.pods import nccl_env
+
+PACKAGE = __package__.rpartition(".")[0]
+
+
+def project_root(start: Path) -> Path:
+    """The project k8s/ belongs to: the nearest folder up from `start` with a pyproject.toml,
+    else `start` itself (an installed project, run from anywhere)."""
+    start = start.resolve()
+    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
+
+
+def outside_project(out: Path) -> str | None:
+    """Why `out` is not a folder to write manifests to without --force, or None."""
+    root = project_root(Path.cwd())
+    if out.resolve().is_relative_to(root):
+        return None
+    return f"--out {out}: outside this project ({root}); pass --force to write there"
+
+
+def deploy_and_profile(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checked config's deploy group and NCCL profile as plain values, as render.manifests() takes them."""
+    from omegaconf import OmegaConf
+
+    deploy, profile = (
+        OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True)
+        for node in (config.deploy, config.nccl)
+    )
+    return deploy, profile
+
+
+def main() -> int:
+    from {{ cookiecutter.package }} import check
+
+    parser = argparse.ArgumentParser(
+        description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("k8s"), help="the folder to write")
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    parser.add_argument("--force", action="store_true", help="write --out outside the project")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
+    args = parser.parse_args()
+    refused = None if args.check or args.force else outside_project(args.out)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if args.out != Path("k8s") else "")
+    if args.check and args.overrides:
+        print(f"error: --check compares k8s/ with configs/ as they are: run {command} "
+              f"{' '.join(args.overrides)} to write the overrides first", file=sys.stderr)  # fmt: skip
+        return 2
+    # A project's own configs/ when run in it (the files an override is written to), else the
+    # installed package's.
+    source = project_root(Path.cwd()) / "configs"
+    folder = source if (source / "train.yaml").is_file() else None
+    # From reading configs/ to writing k8s/: another render at the same time would leave k8s/
+    # without this one's overrides, or configs/ without its.
+    with sync.locked(folder):
+        # deploy_errors() included: exit 2, one line. The pods' GPUs are not this machine's.
+        cfg = check.load_or_exit(args.overrides, folder, this_node=False)
+        deploy, profile = deploy_and_profile(cfg)
+        rendered = render.manifests(deploy, nccl_env(profile))
+        if args.check:
+            found = sync.differences(rendered, args.out)
+            if not found:
+                print(f"{args.out}/ matches configs/ ({', '.join(rendered)})")
+                return 0
+            sys.stdout.writelines(sync.unified_diff(rendered, args.out))
+            print(f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        if args.overrides:
+            if folder is None:
+                print(f"error: no configs/ here to write the overrides to: run {command} in the project",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            composed = {"deploy": deploy, "nccl": profile,
+                        "profile": check.choice("nccl", args.overrides, folder)}  # fmt: skip
+            try:
+                written = persist.persist(args.overrides, composed, folder)
+            except (ValueError, OSError) as err:
+                print(f"error: {err}; nothing was written", file=sys.stderr)
+                return 2
+            for line in written:
+                print(f"wrote {line}")
+        try:
+            sync.write(rendered, args.out)
+        except OSError as err:
+            print(
+                f"error: {err}; {args.out}/ is as it was: {command} writes it again",
+                file=sys.stderr,
+            )
+            return 1
+    print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
+    for note in render.notes(deploy):
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The deploy group's values, checked before anything is rendered: each value the API server
+would refuse (or that would make a job that cannot run) is refused here, in one line naming the
+key and what is allowed. config.DeployConfig runs deploy_errors(); so does the template's hook,
+on the plain YAML."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
+from {{ cookiecutter.package }}.k8s.meta import TOPOLOGY_ANNOTATIONS, labels, quantity, topology_annotation
+
+NAME_MAX = 47  # pods are <name>-<index>-<5 characters> or <name>-node-0-<index>-<5>: within 63
+RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Services and TrainJobs: a letter first
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+# An OCI image reference: [registry[:port]/]path[:tag][@sha256:digest].
+IMAGE = re.compile(
+    r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?"
+)
+PULL_POLICIES = ("IfNotPresent", "Always", "Never")
+# Set by deploy.gpus_per_node, cpu_per_gpu, memory_per_gpu and ephemeral_storage.
+OWN_RESOURCES = ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu")
+CAPABILITY = re.compile(r"[A-Z][A-Z0-9_]*")
+# PodSecurity restricted allows adding this one only (baseline a few more; IPC_LOCK none but privileged).
+RESTRICTED_CAPABILITIES = ("NET_BIND_SERVICE",)
+INT32_MAX = 2**31 - 1  # the API's int32 fields: backoffLimit, maxRestarts, ttlSecondsAfterFinished
+INT64_MAX = 2**63 - 1  # activeDeadlineSeconds, tolerationSeconds
+INDEXED_MAX = 100_000  # completions and parallelism of an Indexed Job (batch/v1 validation)
+ANNOTATIONS_MAX = 256 * 1024  # all of an object's annotations, keys and values (apimachinery)
+RDZV_TIMEOUT_MAX = 86400
+AFFINITY_KEYS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+SIZES = ("memory_per_gpu", "shm_size", "ephemeral_storage", "runs_storage")
+
+
+def whole_number(value: Any, low: int, high: float = math.inf) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def label_key_ok(key: Any) -> bool:
+    """[prefix/]name, the prefix a DNS subdomain, as in nvidia.com/gpu.product."""
+    if not isinstance(key, str):
+        return False
+    prefix, slash, name = key.rpartition("/")
+    prefix_ok = not slash or (len(prefix) <= 253 and DNS_SUBDOMAIN.fullmatch(prefix) is not None)
+    return prefix_ok and len(name) <= 63 and LABEL_NAME.fullmatch(name) is not None
+
+
+def label_value_ok(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) <= 63
+        and LABEL_NAME.fullmatch(value or "a") is not None
+    )
+
+
+def toleration_errors(key: str, toleration: Any) -> list[str]:
+    if not isinstance(toleration, Mapping):
+        return [f"{key}={toleration}: must be a mapping of {', '.join(TOLERATION_KEYS)}"]
+    unknown = sorted(set(toleration) - set(TOLERATION_KEYS))
+    if unknown:
+        return [f"{key}.{unknown[0]}: no such key; allowed: {', '.join(TOLERATION_KEYS)}"]
+    operator, effect = toleration.get("operator", "Equal"), toleration.get("effect", "")
+    problems = {
+        "operator": (operator in ("Equal", "Exists"), "must be Equal or Exists"),
+        "key": (
+            label_key_ok(toleration.get("key")) or (operator == "Exists" and not toleration.get("key")),
+            "must be a taint key such as nvidia.com/gpu (only operator Exists may leave it out)",
+        ),
+        "value": (
+            label_value_ok(toleration.get("value", ""))
+            and not (operator == "Exists" and toleration.get("value")),
+            "must be a label value (63 characters: letters, digits, '-', '_', '.'), empty with operator Exists",
+        ),
+        "effect": (effect in ("", *TAINT_EFFECTS), f"must be empty (any effect) or one of {', '.join(TAINT_EFFECTS)}"),
+        "tolerationSeconds": (
+            "tolerationSeconds" not in toleration
+            or (whole_number(toleration["tolerationSeconds"], 0) and effect == "NoExecute"),
+            "must be a whole number of seconds, 0 or more, with effect NoExecute",
+        ),
+    }  # fmt: skip
+    return [
+        f"{key}.{field}={toleration.get(field)}: {allowed}"
+        for field, (ok, allowed) in problems.items()
+        if not ok
+    ]
+
+
+def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[str]:
+    """A map of label (or annotation) keys to strings, such as deploy.node_selector."""
+    found = []
+    for name, value in deploy[key].items():
+        if not label_key_ok(name):
+            found.append(f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} key "
+                         "([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, letters, digits, '-', '_', '.')")  # fmt: skip
+        elif not isinstance(value, str) or (label_values and not label_value_ok(value)):
+            allowed = (
+                "a label value (63 characters: letters, digits, '-', '_', '.')"
+                if label_values
+                else "a string"
+            )
+            found.append(f"deploy.{key}.{name}={value}: must be {allowed}")
+    return found
+
+
+def name_ok(value: Any, pattern: re.Pattern, length: int) -> bool:
+    return isinstance(value, str) and len(value) <= length and pattern.fullmatch(value) is not None
+
+
+def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """What is wrong in the deploy group, one line each (deploy.<key>=<value>: what is allowed).
+    Runs before anything is rendered: a manifest is written whole or not at all."""
+    found: list[str] = []
+
+    def check(ok: Any, key: str, allowed: str) -> None:
+        if not ok:
+            found.append(f"deploy.{key}={deploy[key]}: {allowed}")
+
+    name, flavor, policy = deploy["name"], deploy["flavor"], deploy["image_pull_policy"]
+    check(
+        name_ok(name, RFC1035_LABEL, NAME_MAX),
+        "name", f"must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, at most {NAME_MAX} characters",
+    )  # fmt: skip
+    check(
+        name_ok(deploy["namespace"], DNS_LABEL, 63),
+        "namespace", "must be a DNS label: a-z, 0-9 and '-', at most 63 characters",
+    )  # fmt: skip
+    check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
+    image = deploy["image"]
+    parts = IMAGE.fullmatch(image) if isinstance(image, str) and len(image) <= 255 else None
+    check(
+        parts,
+        "image",
+        "must be an image reference: [registry/]name:tag or [registry/]name@sha256:<digest>",
+    )
+    if parts:
+        check(
+            parts["tag"] or parts["digest"],
+            "image", "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): a node reuses the image it pulled",
+        )  # fmt: skip
+        check(
+            parts["tag"] != "latest" or parts["digest"] or policy == "Always",
+            "image", "a node keeps the :latest it pulled first; use a version tag or a digest (or image_pull_policy=Always)",
+        )  # fmt: skip
+    check(
+        policy in PULL_POLICIES, "image_pull_policy", f"must be one of {', '.join(PULL_POLICIES)}"
+    )
+    nodes = deploy["nodes"]
+    check(
+        whole_number(nodes, 1, INDEXED_MAX),
+        "nodes", f"must be 1 to {INDEXED_MAX} (an Indexed Job's most completions)",
+    )  # fmt: skip
+    check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
+    cores = quantity(deploy["cpu_per_gpu"])
+    check(
+        cores and (cores * 1000).denominator == 1,
+        "cpu_per_gpu", "must be a CPU quantity above 0 in steps of 1m, such as 4 or 3500m",
+    )  # fmt: skip
+    for key in SIZES:
+        size = quantity(deploy[key])
+        check(size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G")
+    check(whole_number(deploy["rdzv_port"], 1024, 65535), "rdzv_port", "must be 1024 to 65535")
+    # A failure on one node fails every node's pod: the rendered backoffLimit is this x nodes.
+    most = INT32_MAX // nodes if whole_number(nodes, 1) else INT32_MAX
+    check(
+        whole_number(deploy["backoff_limit"], 0, most),
+        "backoff_limit", f"must be 0 to {most} (the job's backoffLimit, this x deploy.nodes, is an int32)",
+    )  # fmt: skip
+    check(
+        whole_number(deploy["max_restarts"], 0, INT32_MAX),
+        "max_restarts",
+        f"must be 0 to {INT32_MAX}",
+    )
+    check(
+        whole_number(deploy["rdzv_timeout_s"], 10, RDZV_TIMEOUT_MAX),
+        "rdzv_timeout_s", f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
+    )  # fmt: skip
+    ttl, deadline = deploy["ttl_after_finished_s"], deploy["active_deadline_s"]
+    check(
+        ttl is None or whole_number(ttl, 0, INT32_MAX),
+        "ttl_after_finished_s", f"must be null (keep) or seconds, 0 to {INT32_MAX}",
+    )  # fmt: skip
+    check(
+        deadline is None or whole_number(deadline, 1, INT64_MAX),
+        "active_deadline_s", "must be null (no limit) or seconds, at least 1",
+    )  # fmt: skip
+    check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
+    check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
+    # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
+    kinds = {"tolerations": list, "node_selector": Mapping, "affinity": Mapping, "extra_resources": Mapping,
+             "capabilities": list, "pod_labels": Mapping, "pod_annotations": Mapping, "image_pull_secrets": list}  # fmt: skip
+    for key, kind in kinds.items():
+        check(
+            isinstance(deploy[key], kind),
+            key,
+            f"must be a {'mapping' if kind is Mapping else 'list'}",
+        )
+    if found:
+        return found
+    for index, toleration in enumerate(deploy["tolerations"]):
+        found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
+    found += map_errors(deploy, "node_selector", label_values=True)
+    for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
+        found.append(
+            f"deploy.affinity.{key}: no such key; allowed: {', '.join(AFFINITY_KEYS)} (as in a pod's spec.affinity)"
+        )
+    for key in AFFINITY_KEYS:
+        if not isinstance(deploy["affinity"].get(key, {}), Mapping):
+            found.append(f"deploy.affinity.{key}: must be a mapping, as in a pod's spec.affinity")
+    check(
+        not (deploy["one_pod_per_node"] and "podAntiAffinity" in deploy["affinity"]),
+        "one_pod_per_node", "is a podAntiAffinity of its own: set it or deploy.affinity.podAntiAffinity, not both",
+    )  # fmt: skip
+    for key, count in deploy["extra_resources"].items():
+        if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
+            found.append(f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
+                         f"such as rdma/rdma_shared_device_a), not one of {', '.join(OWN_RESOURCES)}")  # fmt: skip
+        elif not whole_number(count, 1, INT32_MAX):
+            found.append(
+                f"deploy.extra_resources.{key}={count}: must be a whole number, 1 to {INT32_MAX}"
+            )
+    for capability in deploy["capabilities"]:
+        if not name_ok(capability, CAPABILITY, 64) or capability.startswith("CAP_"):
+            found.append(
+                f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, such as IPC_LOCK"
+            )
+    found += map_errors(deploy, "pod_labels", label_values=True)
+    found += [
+        f"deploy.pod_labels.{key}: is this project's own label; choose another key"
+        for key in deploy["pod_labels"]
+        if key in labels(name)
+    ]
+    found += map_errors(deploy, "pod_annotations", label_values=False)
+    annotations = {**deploy["pod_annotations"], **topology_annotation(deploy)}
+    size = sum(len(str(key)) + len(str(value)) for key, value in annotations.items())
+    if size > ANNOTATIONS_MAX:
+        found.append(
+            f"deploy.pod_annotations: {size} bytes in all; a pod's annotations hold at most {ANNOTATIONS_MAX} (256 KiB)"
+        )
+    for secret in deploy["image_pull_secrets"]:
+        if not name_ok(secret, DNS_SUBDOMAIN, 253):
+            found.append(
+                f"deploy.image_pull_secrets: {secret}: must be a Secret name (a DNS subdomain: a-z, 0-9, '-', '.')"
+            )
+    check(
+        deploy["runs_access_mode"] == "ReadWriteMany" or deploy["runs_claim"] is not None or nodes == 1,
+        "runs_access_mode", "several nodes share the run dir: ReadWriteMany, from a storage class "
+        "that offers it (deploy.storage_class), or an existing claim (deploy.runs_claim)",
+    )  # fmt: skip
+    for key, kind in (("priority_class", "a PriorityClass"), ("storage_class", "a StorageClass"),
+                      ("runs_claim", "a PersistentVolumeClaim")):  # fmt: skip
+        check(
+            deploy[key] is None or name_ok(deploy[key], DNS_SUBDOMAIN, 253),
+            key, f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
+        )  # fmt: skip
+    queue = deploy["queue"]
+    check(
+        queue is None or name_ok(queue, DNS_LABEL, 63),
+        "queue", "must be null or a Kueue LocalQueue name: a-z, 0-9 and '-', at most 63 characters",
+    )  # fmt: skip
+    for key, what in (("queue_priority", "a Kueue WorkloadPriorityClass"),
+                      ("topology", "a node label key naming a topology level, such as cloud.provider.com/topology-rack")):  # fmt: skip
+        value = deploy[key]
+        valid = (
+            name_ok(value, DNS_SUBDOMAIN, 253) if key == "queue_priority" else label_key_ok(value)
+        )
+        check(value is None or valid, key, f"must be null or {what}")
+        check(value is None or queue is not None, key, "only Kueue reads it: set deploy.queue too")
+    check(
+        deploy["topology_mode"] in TOPOLOGY_ANNOTATIONS,
+        "topology_mode", f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
+    )  # fmt: skip
+    if flavor in FLAVORS:
+        found += [
+            f"deploy.{key}={deploy[key]}: {why}" for key, why in FLAVORS[flavor].cannot(deploy)
+        ]
+    return found

@@ -1,0 +1,277 @@
+"""One builder per workload kind, and the table FLAVORS that deploy.flavor picks from. A new
+flavor is a builder here and an entry in the table (and its name in config.Flavor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from {{ cookiecutter.package }}.k8s.meta import labels, optional, resource
+from {{ cookiecutter.package }}.k8s.pods import (
+    COMMAND,
+    FAIL_AT_ONCE,
+    POD_IP,
+    Launch,
+    c10d_launch,
+    pod_metadata,
+    pod_spec,
+    rendezvous_timeouts,
+    torchrun_launch,
+    train_args,
+    trainer_container,
+)
+
+Deploy = Mapping[str, Any]
+Env = Mapping[str, str]
+REPLICATED_JOB = "node"  # a JobSet's one replicated Job: its pods are the nodes
+# Kubeflow Trainer v2.3 (pkg/constants/constants.go, pkg/runtime/framework/plugins/torch/torch.go):
+# a TrainJob on the torch-distributed runtime becomes a JobSet whose replicated Job and container
+# are both "node". The torch plugin sets PET_NNODES (numNodes), PET_NPROC_PER_NODE
+# (numProcPerNode), PET_NODE_RANK (the completion index), PET_MASTER_ADDR (<name>-node-0-0.<name>)
+# and PET_MASTER_PORT (29500); a TrainJob may not set them itself. torchrun reads PET_NNODES and
+# PET_NPROC_PER_NODE as --nnodes and --nproc-per-node; the rendezvous is c10d, as for the others.
+TRAINJOB_RUNTIME = "torch-distributed"
+TRAINER_NODE = "node"
+TRAINER_PORT = 29500
+TRAINJOB_LAUNCH = c10d_launch("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def job_spec(deploy: Deploy, env: Env, backoff_limit: int, rendezvous_host: str) -> dict:
+    """One pod per node (Indexed when there are several), failing fast on a config error."""
+    name, nodes = deploy["name"], deploy["nodes"]
+    container = trainer_container(deploy, env, torchrun_launch(deploy, rendezvous_host))
+    pod = pod_spec(deploy, container)  # Never: podFailurePolicy needs it; a new pod resumes the run
+    spec: dict[str, Any] = {
+        "backoffLimit": backoff_limit,
+        **optional(activeDeadlineSeconds=deploy["active_deadline_s"]),
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",  # a config error or a divergence: no retry fixes them
+                    "onExitCodes": {
+                        "containerName": "trainer",
+                        "operator": "In",
+                        "values": FAIL_AT_ONCE,
+                    },
+                },
+                {
+                    "action": "Ignore",  # eviction, preemption, drain: retry without counting it
+                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                },
+            ]
+        },
+    }
+    if nodes > 1:
+        spec |= {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes}
+        if deploy["flavor"] == "job":  # a JobSet sets the subdomain of its pods itself
+            pod["subdomain"] = name  # pods are <name>-<index>.<name>: the headless Service
+    spec["template"] = {"metadata": pod_metadata(deploy), "spec": pod}
+    return spec
+
+
+def job(deploy: Deploy, env: Env) -> dict:
+    # A failure on one node fails the pods of every node: count retries per failure.
+    name = deploy["name"]
+    backoff_limit = deploy["backoff_limit"] * deploy["nodes"]
+    spec = job_spec(deploy, env, backoff_limit, rendezvous_host=f"{name}-0.{name}")
+    spec = optional(ttlSecondsAfterFinished=deploy["ttl_after_finished_s"]) | spec
+    return resource("batch/v1", "Job", deploy, spec, queued=True)
+
+
+def service(deploy: Deploy) -> dict:
+    """The headless Service that names an Indexed Job's pods <name>-<index>.<name>."""
+    spec = {
+        "clusterIP": "None",  # headless: one DNS name per pod, no proxy
+        "publishNotReadyAddresses": True,  # the names resolve before any pod is ready
+        "selector": {"job-name": deploy["name"]},
+        "ports": [{"name": "rendezvous", "port": deploy["rdzv_port"]}],
+    }
+    return resource("v1", "Service", deploy, spec)
+
+
+def jobset(deploy: Deploy, env: Env) -> dict:
+    """The same pods in a JobSet: any failed pod fails its Job, and the JobSet then recreates
+    every node's pod, which all resume from the newest checkpoint. It names its pods
+    <jobset>-<replicated job>-<job index>-<pod index> under the subdomain <jobset>."""
+    name = deploy["name"]
+    host = f"{name}-{REPLICATED_JOB}-0-0.{name}"
+    spec = {
+        **optional(ttlSecondsAfterFinished=deploy["ttl_after_finished_s"]),
+        "failurePolicy": {
+            "maxRestarts": deploy["backoff_limit"],
+            # the Job failed through its podFailurePolicy (a config error) or ran out of
+            # deploy.active_deadline_s: a restart would not help
+            "rules": [
+                {
+                    "name": "ConfigErrorOrDeadline",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy", "DeadlineExceeded"],
+                }
+            ],
+        },
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "replicatedJobs": [
+            {
+                "name": REPLICATED_JOB,
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": labels(name)},
+                    "spec": job_spec(deploy, env, backoff_limit=0, rendezvous_host=host),
+                },
+            }
+        ],
+    }
+    return resource("jobset.x-k8s.io/v1alpha2", "JobSet", deploy, spec, queued=True)
+
+
+def pytorchjob(deploy: Deploy, env: Env) -> dict:
+    """The same pod under the Kubeflow training operator: one Worker replica per node, and
+    torchrun's c10d rendezvous on worker 0, which the operator wires up from elasticPolicy."""
+    name, nodes = deploy["name"], deploy["nodes"]
+    # The operator's PET_* env (elasticPolicy) gives torchrun the c10d rendezvous on worker 0,
+    # --nnodes and --max-restarts; older operators set PET_NPROC_PER_NODE only with a Master.
+    a = train_args(deploy)
+    launch = Launch([COMMAND, "train"], [*a["processes"], *a["run_dir"]], [])
+    # the operator injects into, and reads the port of, the container "pytorch"
+    container = trainer_container(deploy, env, launch, name="pytorch")
+    container["ports"] = [{"name": "pytorchjob-port", "containerPort": deploy["rdzv_port"]}]
+    # OnFailure: the kubelet restarts a failed container in its pod, which keeps its DNS name.
+    pod = pod_spec(deploy, container, restart="OnFailure")
+    spec = {
+        "nprocPerNode": str(deploy["gpus_per_node"]),
+        "elasticPolicy": {
+            "rdzvBackend": "c10d",
+            "rdzvPort": deploy["rdzv_port"],
+            "rdzvId": name,
+            "minReplicas": nodes,  # a fixed world: no autoscaling
+            "maxReplicas": nodes,
+            "maxRestarts": deploy["max_restarts"],
+            "rdzvConf": [{"key": k, "value": v} for k, v in rendezvous_timeouts(deploy).items()],
+        },
+        "runPolicy": {
+            "backoffLimit": deploy["backoff_limit"] * nodes,  # a failure on one node restarts all
+            "cleanPodPolicy": "Running",  # a finished job frees every GPU; logs stay
+            **optional(
+                ttlSecondsAfterFinished=deploy["ttl_after_finished_s"],
+                activeDeadlineSeconds=deploy["active_deadline_s"],
+            ),
+        },
+        "pytorchReplicaSpecs": {
+            "Worker": {
+                "replicas": nodes,
+                "restartPolicy": "OnFailure",
+                "template": {"metadata": pod_metadata(deploy), "spec": pod},
+            }
+        },
+    }
+    return resource("kubeflow.org/v1", "PyTorchJob", deploy, spec, queued=True)
+
+
+def trainjob(deploy: Deploy, env: Env) -> dict:
+    """The same pods from Kubeflow Trainer v2: a TrainJob on the torch-distributed
+    ClusterTrainingRuntime, which makes a JobSet of numNodes pods. What a TrainJob's trainer
+    cannot hold (security contexts, volumes, scheduling) goes in as a runtime patch."""
+    name = deploy["name"]
+    a = train_args(deploy)  # --nnodes and --nproc-per-node: Trainer's PET_* env
+    launch = Launch(["/bin/sh", "-c", TRAINJOB_LAUNCH, COMMAND],
+                    [*a["rendezvous"], *a["restarts"], *a["run_dir"]], [POD_IP])  # fmt: skip
+    # Trainer's torch plugin fills in the container "node"
+    container = trainer_container(deploy, env, launch, name=TRAINER_NODE)
+    pod = pod_spec(deploy, container, restart="OnFailure")  # the runtime's
+    patched = ("securityContext", "terminationGracePeriodSeconds", "nodeSelector", "affinity",
+               "tolerations", "imagePullSecrets", "volumes")  # fmt: skip
+    pod_patch = {key: pod[key] for key in patched if key in pod}
+    # Patches cannot set automountServiceAccountToken: a ServiceAccount without a token does.
+    pod_patch["serviceAccountName"] = name
+    pod_patch["containers"] = [
+        {key: container[key] for key in ("name", "securityContext", "volumeMounts")}
+    ]
+    node_patch = {"template": {"metadata": pod_metadata(deploy), "spec": pod_patch}}
+    spec = {
+        "runtimeRef": {
+            "apiGroup": "trainer.kubeflow.org",
+            "kind": "ClusterTrainingRuntime",
+            "name": TRAINJOB_RUNTIME,
+        },
+        **optional(activeDeadlineSeconds=deploy["active_deadline_s"]),
+        "trainer": {
+            "image": container["image"],
+            "command": container["command"],
+            "args": container["args"],
+            "env": container["env"],
+            "numNodes": deploy["nodes"],
+            "numProcPerNode": deploy["gpus_per_node"],
+            "resourcesPerNode": container["resources"],
+        },
+        "runtimePatches": [
+            {
+                "manager": __package__,
+                "trainingRuntimeSpec": {
+                    "template": {
+                        "spec": {
+                            "replicatedJobs": [
+                                {"name": TRAINER_NODE, "template": {"spec": node_patch}}
+                            ]
+                        }
+                    }
+                },
+            }
+        ],
+    }
+    return resource("trainer.kubeflow.org/v1alpha1", "TrainJob", deploy, spec, queued=True)
+
+
+def service_account(deploy: Deploy) -> dict:
+    """A TrainJob's pods' account, without an API token: its pods cannot say so themselves."""
+    account = resource("v1", "ServiceAccount", deploy, spec=None)
+    return account | {"automountServiceAccountToken": False}
+
+
+def trainjob_cannot(deploy: Deploy) -> list[tuple[str, str]]:
+    """What Trainer v2.3's TrainJob API cannot carry, or sets itself."""
+    return [
+        (key, why)
+        for key, ok, why in [
+            (
+                "image_pull_policy",
+                deploy["image_pull_policy"] == "IfNotPresent",
+                "a TrainJob cannot set it: its pods get IfNotPresent, Kubernetes' default for a tagged image",
+            ),
+            (
+                "rdzv_port",
+                deploy["rdzv_port"] == TRAINER_PORT,
+                f"a TrainJob's rendezvous port is Trainer's {TRAINER_PORT} (PET_MASTER_PORT)",
+            ),
+            (
+                "priority_class",
+                deploy["priority_class"] is None,
+                "a TrainJob cannot set it (Trainer v2.3's runtimePatches have no priorityClassName); use a queue",
+            ),
+        ]  # fmt: skip
+        if not ok
+    ]
+
+
+@dataclass(frozen=True)
+class Flavor:
+    kind: str  # the workload's kind
+    resource: str  # as kubectl names it: make k8s-apply deletes the project's workloads by it
+    build: Callable[[Deploy, Env], dict]
+    needs: str  # the controller a cluster must run, for the file's header; "" for none
+    # The other objects it needs, by file name (a Job's Service, a TrainJob's ServiceAccount).
+    companions: Callable[[Deploy], dict[str, dict]] = lambda deploy: {}
+    cannot: Callable[[Deploy], list[tuple[str, str]]] = lambda deploy: []  # (key, why) it refuses
+
+
+FLAVORS = {
+    "job": Flavor("Job", "jobs.batch", job, needs="",
+                  companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {}),
+    "jobset": Flavor("JobSet", "jobsets.jobset.x-k8s.io", jobset,
+                     needs="the JobSet controller (jobset.x-k8s.io)"),
+    "pytorchjob": Flavor("PyTorchJob", "pytorchjobs.kubeflow.org", pytorchjob,
+                         needs="the Kubeflow training operator (kubeflow.org/v1)"),
+    "trainjob": Flavor("TrainJob", "trainjobs.trainer.kubeflow.org", trainjob,
+                       needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
+                       companions=lambda d: {"serviceaccount.yaml": service_account(d)}, cannot=trainjob_cannot),
+}  # fmt: skip
