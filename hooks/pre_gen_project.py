@@ -35,7 +35,7 @@ UNPRINTABLE_CATEGORIES = {"Cc", "Cs", "Zl", "Zp"}
 THIRD_PARTY = {
     "torch", "torchgen", "functorch", "triton", "numpy", "sympy", "mpmath", "networkx", "jinja2",
     "markupsafe", "fsspec", "filelock", "typing_extensions", "setuptools", "pkg_resources",
-    "_distutils_hack", "hydra", "omegaconf", "antlr4", "yaml", "_yaml", "packaging", "pynvml",
+    "_distutils_hack", "hydra", "omegaconf", "antlr4", "yaml", "_yaml", "ruamel", "packaging", "pynvml",
     "nvidia", "tensorboard", "tensorboard_data_server", "google", "grpc", "absl", "markdown",
     "werkzeug", "PIL", "six", "rich", "pygments", "markdown_it", "mdurl", "matplotlib",
     "mpl_toolkits", "pylab", "contourpy", "cycler", "fontTools", "kiwisolver", "pyparsing",

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.check import config_problem
 from {{ cookiecutter.package }}.config import hydra_overrides
-from {{ cookiecutter.package }}.k8s import apply, meta, pods, render
+from {{ cookiecutter.package }}.k8s import apply, meta, pods, render, sync
 from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -480,6 +480,42 @@ def test_gloo_variables_reach_the_pods_env_as_nccl_ones_do(compose_train):
     )
     env = {e["name"]: e.get("value") for e in trainer_container(deploy["flavor"], workload)["env"]}
     assert env["GLOO_SOCKET_IFNAME"] == "eth1"
+
+
+def test_a_write_that_fails_halfway_leaves_every_file_as_it_was(tmp_path, monkeypatch):
+    """configs/ and k8s/ are replaced all together or not at all: a full disk on the second file
+    leaves the first as it was too, and no staged file behind."""
+    first, second = tmp_path / "default.yaml", tmp_path / "train.yaml"
+    first.write_text("nodes: 1\n")
+    second.write_text("defaults: []\n")
+    write_text = Path.write_text
+
+    def disk_full(path, text, *args, **kwargs):
+        if path.name == f".{second.name}.new":
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        sync.replace_all({first: "nodes: 2\n", second: "defaults: [x]\n"})
+    assert (first.read_text(), second.read_text()) == ("nodes: 1\n", "defaults: []\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["default.yaml", "train.yaml"]
+
+
+def test_ctrl_c_while_rendering_is_one_line(monkeypatch, capsys):
+    from {{ cookiecutter.package }} import check
+    from {{ cookiecutter.package }}.k8s import __main__ as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(check, "load_or_exit", interrupted)
+    monkeypatch.setattr(sys, "argv", ["k8s", "--check"])
+    assert cli.run() == 130
+    assert capsys.readouterr().err == (
+        f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says "
+        "whether k8s/ matches configs/\n"
+    )
 
 
 def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(

@@ -324,11 +324,16 @@ def node_gpus(flavor: str) -> int:
 
 @pytest.mark.parametrize("flavor", [pytest.param(OWN_FLAVOR, marks=pytest.mark.render)])
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
+    """Pod 1 starts first and pod 0, which hosts the rendezvous, 15 s later (a slow image pull),
+    within deploy.rdzv_timeout_s: pod 1 waits for it, and the two train together."""
     gpus = node_gpus(flavor)
     run_dir = tmp_path / "run"
-    nodes = launch_nodes(
-        hosts, flavor, tmp_path, run_dir, "trainer.max_steps=20", "trainer.log_every=10", gpus=gpus
-    )
+    late = dict(port=free_port(), gpus=gpus, deploy=("deploy.rdzv_timeout_s=30",))
+    overrides = ("trainer.max_steps=20", "trainer.log_every=10")
+    (first,) = launch_nodes(hosts, flavor, tmp_path, run_dir, *overrides, only=1, **late)
+    time.sleep(15)
+    assert first.poll() is None, first.communicate()[0][-3000:]
+    nodes = [*launch_nodes(hosts, flavor, tmp_path, run_dir, *overrides, only=0, **late), first]
     outputs = finish(nodes, timeout=240)
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-3000:]

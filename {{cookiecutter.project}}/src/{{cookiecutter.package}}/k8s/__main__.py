@@ -108,5 +108,14 @@ def main() -> int:
     return 0
 
 
+def run() -> int:
+    try:
+        return main()
+    except KeyboardInterrupt:  # configs/ and k8s/ are each replaced at once: old or new, never half
+        print(f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says whether "
+              "k8s/ matches configs/", file=sys.stderr)  # fmt: skip
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
-from {{ cookiecutter.package }}.k8s.meta import TOPOLOGY_ANNOTATIONS, labels, quantity, topology_annotation
+from {{ cookiecutter.package }}.k8s.meta import (
+    TOPOLOGY_ANNOTATIONS,
+    labels,
+    quantity,
+    topology_annotation,
+)
 
 NAME_MAX = 47  # pods are <name>-<index>-<5 characters> or <name>-node-0-<index>-<5>: within 63
 RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Services and TrainJobs: a letter first
