@@ -4,7 +4,15 @@ import subprocess
 
 from conftest import BIN, TEMPLATE
 
-OWN_CODE = ["hooks", "tests", "scripts", "benchmarks/loop-overhead", "local_extensions.py", "new-project"]
+OWN_CODE = [
+    "hooks",
+    "tests",
+    "scripts",
+    "benchmarks/loop-overhead",
+    "benchmarks/attention",
+    "local_extensions.py",
+    "new-project",
+]
 
 
 def test_own_python_is_ruff_clean():

@@ -185,7 +185,8 @@ class Recorder:
 
 
 ROW = {"step": 20, "max_steps": 60, "epoch": 0, "loss": 2.5, "accuracy": 0.25, "grad_norm": None,
-       "lr": 0.001, "samples_per_s": 900.0, "step_time_ms": 3.5, "comm_share": None, "world_size": 2}  # fmt: skip
+       "lr": 0.001, "samples_per_s": 900.0, "step_time_ms": 3.5, "comm_share": None, "world_size": 2,
+       "tokens_per_s": 900.0, "mfu": None, "peak_memory_gib": None}  # fmt: skip
 
 
 def test_each_row_goes_to_every_logger_with_its_tags():
@@ -194,7 +195,7 @@ def test_each_row_goes_to_every_logger_with_its_tags():
     both.log(ROW)
     both.close()
     expected = {"train/loss": 2.5, "train/accuracy": 0.25, "train/lr": 0.001,
-                "perf/samples_per_s": 900.0, "perf/step_time_ms": 3.5}  # fmt: skip
+                "perf/samples_per_s": 900.0, "perf/step_time_ms": 3.5, "perf/tokens_per_s": 900.0}  # fmt: skip
     assert first.rows == second.rows == [expected]  # the columns not measured are left out
     assert first.closed and second.closed
 

@@ -150,12 +150,17 @@ def test_rows_carry_learning_rate_throughput_gradient_norm_and_communication_sha
     assert all(0 < row["comm_share"] <= 1 for row in rows)
     assert all(0 < row["grad_norm"] < 100 for row in rows)
     assert "grad norm" in run[1] and "comm" in run[1]
+    # an MLP's sample is its token; on a CPU there is no peak to take a share of, nor GPU memory
+    assert all(row["tokens_per_s"] == pytest.approx(row["samples_per_s"]) for row in rows)
+    assert all(row["mfu"] is None and row["peak_memory_gib"] is None for row in rows)
+    assert "MFU" not in run[1] and "tok/s" not in run[1]
 
 
 def test_tensorboard_events_hold_every_scalar(run):
     events = EventAccumulator(str(run[0] / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values())
+    unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib"}
+    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - unmeasured_on_a_cpu
     losses = events.Scalars("train/loss")
     assert [event.step for event in losses] == [20, 40, 60]
     assert losses[-1].value == pytest.approx(read_metrics(run[0])[-1]["loss"])
@@ -235,7 +240,8 @@ def test_by_default_communication_and_gradient_norm_are_not_measured(default_run
     assert len(progress) == 3 and progress[-1].endswith(" ms/step")  # nothing after the step time
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - {
+    unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib"}
+    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - unmeasured_on_a_cpu - {
         "perf/comm_share",
         "train/grad_norm",
     }
@@ -293,12 +299,12 @@ HEADER = ",".join(metrics.COLUMNS)
 
 
 def csv_row(step: int) -> str:
-    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2"
+    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2,900.0,,"
 
 
 def json_row(step: int) -> str:
     return json.dumps(dict(zip(metrics.COLUMNS, [step, 60, 0, 2.0 - step / 100, 0.5, None, 0.003,
-                                                   900.0, 3.5, None, 2], strict=True)))  # fmt: skip
+                                                   900.0, 3.5, None, 2, 900.0, None, None], strict=True)))  # fmt: skip
 
 
 def record(run_dir: Path, start_step: int) -> metrics.RunRecord:
@@ -376,7 +382,7 @@ def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, m
     monkeypatch.setattr(
         Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))
     )
-    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2" for s in (1, 20, 40)]
+    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,," for s in (1, 20, 40)]
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
     (figure,) = drawn

@@ -262,10 +262,17 @@ def gpt_run(request) -> Path:
     done = python_train(
         cwd, "model=gpt", "data=tokens", "model.d_model=64", "model.n_layer=2",
         "data.seq_len=32", "data.vocab_size=64", "trainer.lr=0.01", "trainer.max_steps=60",
-        "trainer.log_every=20",
+        "trainer.log_every=20", "trainer.compile=true",  # eager on a CPU, with a line that says so
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd
+
+
+def test_compile_on_a_cpu_runs_eager_and_says_so(gpt_run):
+    (run_dir,) = (gpt_run / "outputs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert "trainer.compile=true: eager on cpu (torch.compile is used on CUDA only)" in log
+    assert "torch.compile: the first step took" not in log
 
 
 def test_the_gpt_learns_the_token_rule_and_no_better(gpt_run):

@@ -74,6 +74,9 @@ def reference_ms(
             model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                                   fused=(cfg.trainer.fused_optimizer and cuda) or None)  # fmt: skip
+    forward = (
+        torch.compile(model) if cfg.trainer.compile and cuda else model
+    )  # as the template does
     dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     accumulation = cfg.trainer.grad_accumulation
@@ -87,7 +90,7 @@ def reference_ms(
             for i, (inputs, labels) in enumerate(batches, start=1):
                 with model.no_sync() if i < accumulation and world.size > 1 else nullcontext():
                     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                        loss = F.cross_entropy(model(inputs).flatten(0, -2), labels.flatten())
+                        loss = F.cross_entropy(forward(inputs).flatten(0, -2), labels.flatten())
                     scaler.scale(loss / accumulation).backward()
             scaler.step(optimizer)
             scaler.update()

@@ -43,6 +43,9 @@ TAGS = {
     "samples_per_s": "perf/samples_per_s",
     "step_time_ms": "perf/step_time_ms",
     "comm_share": "perf/comm_share",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "peak_memory_gib": "perf/peak_memory_gib",
 }
 # logger -> (the module it imports, the pip extra in pyproject.toml that installs it)
 PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -55,7 +58,7 @@ class LoggerError(ConfigError):
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row as tagged scalars; the columns left empty (not measured) are left out."""
-    return {tag: row[key] for key, tag in TAGS.items() if row[key] is not None}
+    return {tag: row[key] for key, tag in TAGS.items() if row.get(key) is not None}
 
 
 def missing_packages(cfg: LoggersConfig) -> str | None:

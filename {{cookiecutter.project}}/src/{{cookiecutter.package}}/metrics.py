@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 COLUMNS = [
     "step", "max_steps", "epoch", "loss", "accuracy", "grad_norm", "lr", "samples_per_s",
     "step_time_ms", "comm_share", "world_size",
+    # tokens/s over all ranks; MFU (perf.py: empty on a CPU or a GPU not in its table); rank 0's
+    # peak of allocated GPU memory over the window (empty on a CPU)
+    "tokens_per_s", "mfu", "peak_memory_gib",
 ]  # fmt: skip
 
 
@@ -86,6 +89,12 @@ class RunRecord:
             line += f"  grad norm {row['grad_norm']:.3g}"
         if row["comm_share"] is not None:
             line += f"  comm {100 * row['comm_share']:.0f}%"
+        if row.get("tokens_per_s") is not None and row["tokens_per_s"] != row["samples_per_s"]:
+            line += f"  {row['tokens_per_s']:,.0f} tok/s"
+        if row.get("mfu") is not None:
+            line += f"  MFU {100 * row['mfu']:.1f}%"
+        if row.get("peak_memory_gib") is not None:
+            line += f"  peak mem {row['peak_memory_gib']:.1f} GiB"
         log.info(line)
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")

@@ -2,45 +2,93 @@
 an nn.Module whose output's last dimension holds the class (or next-token) logits."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from {{ cookiecutter.package }}.config import GptConfig, MlpConfig, PointsConfig, TokensConfig
 
 
-def mlp(cfg: MlpConfig, data: PointsConfig) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    width = data.num_features
-    for _ in range(cfg.depth):
-        layers += [nn.Linear(width, cfg.hidden_dim), nn.GELU()]
-        width = cfg.hidden_dim
-    layers.append(nn.Linear(width, data.num_classes))
-    return nn.Sequential(*layers)
+def matmul_parameters(model: nn.Module) -> int:
+    """The parameters that take part in matmuls, with their biases: all but embedding lookups."""
+    looked_up = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    return sum(p.numel() for p in model.parameters() if id(p) not in looked_up)
+
+
+class Mlp(nn.Sequential):
+    """Linear layers with GELU between them; one sample is one token of FLOPs accounting."""
+
+    tokens_per_sample = 1
+
+    def __init__(self, cfg: MlpConfig, data: PointsConfig) -> None:
+        layers: list[nn.Module] = []
+        width = data.num_features
+        for _ in range(cfg.depth):
+            layers += [nn.Linear(width, cfg.hidden_dim), nn.GELU()]
+            width = cfg.hidden_dim
+        layers.append(nn.Linear(width, data.num_classes))
+        super().__init__(*layers)
+
+    def flops_per_token(self) -> int:
+        """A training step's FLOPs per sample: 2 per weight forward, 4 backward."""
+        return 6 * matmul_parameters(self)
+
+
+class Block(nn.Module):
+    """Pre-norm, as GPT-2: causal self-attention, then a 4x-wide MLP, each added to the residual.
+    Attention is one F.scaled_dot_product_attention call with is_causal=True: PyTorch's flash
+    kernel on a GPU, no mask in memory. The nn.TransformerEncoder model it replaced took 1.10x as
+    long per step eager, 1.04x compiled, at gpt2_small's shape on an H200 (BENCHMARKS.md, issue 22)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)  # queries, keys and values in one matmul
+        self.projection = nn.Linear(width, width)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        heads = self.qkv(self.attention_norm(x)).view(
+            batch, length, 3, self.heads, width // self.heads
+        )
+        q, k, v = heads.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, length, head width)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.projection(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Gpt(nn.Module):
-    """Token and position embeddings, pre-norm transformer blocks with causal self-attention
-    (PyTorch's fused attention kernels), and a linear head over the vocabulary."""
+    """Token and position embeddings, pre-norm transformer blocks with causal self-attention, a
+    final layer norm and a linear head over the vocabulary (untied from the token embedding)."""
 
     def __init__(self, cfg: GptConfig, data: TokensConfig) -> None:
         super().__init__()
+        self.shape = (cfg.n_layer, cfg.d_model, data.seq_len)
+        self.tokens_per_sample = data.seq_len
         self.tokens = nn.Embedding(data.vocab_size, cfg.d_model)
         self.positions = nn.Embedding(data.seq_len, cfg.d_model)
-        block = nn.TransformerEncoderLayer(
-            cfg.d_model, cfg.n_head, 4 * cfg.d_model, dropout=0.0, activation="gelu",
-            batch_first=True, norm_first=True,
-        )  # fmt: skip
-        self.blocks = nn.TransformerEncoder(block, cfg.n_layer, enable_nested_tensor=False)
+        self.blocks = nn.Sequential(*(Block(cfg.d_model, cfg.n_head) for _ in range(cfg.n_layer)))
+        self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, data.vocab_size, bias=False)
-        mask = nn.Transformer.generate_square_subsequent_mask(data.seq_len)
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        hidden = self.tokens(tokens) + self.positions.weight[:length]
-        mask = self.causal_mask[:length, :length]
-        return self.head(self.blocks(hidden, mask=mask, is_causal=True))
+        hidden = self.tokens(tokens) + self.positions.weight[: tokens.shape[1]]
+        return self.head(self.norm(self.blocks(hidden)))
+
+    def flops_per_token(self) -> int:
+        """A training step's FLOPs per token, nanoGPT's estimate_mfu count: 6 per matmul parameter
+        (the head's included; the embeddings are lookups), and attention's scores and weighted
+        sum, 12 x layers x width x context, which no parameter counts."""
+        layers, width, context = self.shape
+        return 6 * matmul_parameters(self) + 12 * layers * width * context
 
 
 def build_model(cfg: MlpConfig | GptConfig, data: PointsConfig | TokensConfig) -> nn.Module:
     """check.ConfigCheck has made sure the model and data options fit together."""
-    return Gpt(cfg, data) if isinstance(cfg, GptConfig) else mlp(cfg, data)
+    return Gpt(cfg, data) if isinstance(cfg, GptConfig) else Mlp(cfg, data)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import ddp, metrics
+from {{ cookiecutter.package }} import ddp, metrics, perf
 from {{ cookiecutter.package }}.checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -114,7 +114,15 @@ class Trainer:
         with device:  # initialised where it trains: no host copy of the weights
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
-        self.forward = torch.compile(self.model) if cfg.trainer.compile else self.model
+        # Compiled on CUDA only: inductor's CPU code needs a C++ compiler, which an image or a
+        # CI machine may lack, and the CPU is where this project runs its tests, not its training.
+        self.compiled = cfg.trainer.compile and device.type == "cuda"
+        if cfg.trainer.compile and not self.compiled and world.main:
+            log.info(
+                "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
+                device.type,
+            )
+        self.forward = torch.compile(self.model) if self.compiled else self.model
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=cfg.trainer.lr,
@@ -142,6 +150,13 @@ class Trainer:
         )
         self.window = Window(device, step=0)
         self.resumed = False
+        # MFU's terms, fixed for the run: a model of your own without flops_per_token() logs none.
+        self.tokens_per_sample = getattr(self.module, "tokens_per_sample", 1)
+        flops = getattr(self.module, "flops_per_token", None)
+        self.flops_per_token = flops() if flops else None
+        self.peak_flops = (
+            perf.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        )
 
     def train(self) -> bool:
         """Train to trainer.max_steps from the newest checkpoint (resume() first, unless called
@@ -176,11 +191,19 @@ class Trainer:
             self.checkpointer.config,
         )
         self.window = Window(self.device, self.progress.step)
+        record_start = self.progress.step
         with record:  # on an error or a stop too: the bar stops and the files close
             while self.progress.step < max_steps:
                 step = self.progress.step + 1
                 log_now = self.ends_window(step)
+                started = time.perf_counter()
                 self.step([next(batches) for _ in range(accumulation)], log_now)
+                if self.compiled and step == record_start + 1:  # compilation: once per start
+                    torch.cuda.synchronize(self.device)
+                    took = time.perf_counter() - started
+                    log.info(
+                        "torch.compile: the first step took %.1f s (compiling the model)", took
+                    )
                 self.progress.step = step
                 self.watchdog.beat()
                 record.step(step)
@@ -295,13 +318,24 @@ class Trainer:
         comm_share = (
             self.comm_timer.share() if self.comm_timer else None if self.world.size > 1 else 0.0
         )
+        totals = self.window.close(step, self.world)
+        tokens_per_s = totals["samples_per_s"] * self.tokens_per_sample
+        peak_memory = None
+        if self.device.type == "cuda":  # rank 0's, over the window
+            peak_memory = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
         return {
             "step": step,
             "max_steps": self.cfg.trainer.max_steps,
             "epoch": self.progress.epoch,
-            **self.window.close(step, self.world),
+            **totals,
             "comm_share": comm_share,  # rank 0's last step of the window
             "world_size": self.world.size,
+            "tokens_per_s": tokens_per_s,
+            "mfu": perf.mfu(tokens_per_s, self.flops_per_token, self.world.size, self.peak_flops)
+            if self.flops_per_token
+            else None,
+            "peak_memory_gib": peak_memory,
         }
 
     def report_stop(self, step: int) -> None:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# MFU, tokens/s and peak memory of the generated defaults on one GPU, as the log line and
+# metrics.jsonl now give them: gpt2_small eager and compiled (trainer.compile=true), and mlp_134m,
+# interleaved round by round in one invocation (the machines drift between launches). Each run's
+# windows after the first 20 steps (warm-up, compilation) count; the table gives each variant's
+# median over ROUNDS rounds (default 3), and their min-max. Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
+#   scripts/fetch-gpu-wheels.sh   # once, here
+#   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu-setup.sh"
+cd "$work"
+rounds=${ROUNDS:-3}
+steps=${STEPS:-80}
+names=(gpt2-eager gpt2-compiled mlp-eager)
+declare -A overrides=(
+  [gpt2-eager]="experiment=gpt2_small"
+  [gpt2-compiled]="experiment=gpt2_small trainer.compile=true"
+  [mlp-eager]="experiment=mlp_134m"
+)
+: >"$OUT/mfu.jsonl"
+for round in $(seq "$rounds"); do
+  for name in "${names[@]}"; do
+    run=$work/runs/$name-$round
+    # shellcheck disable=SC2086  # the overrides are words
+    timeout 400 python3 -m ddp_project.launch train --standalone --nproc-per-node 1 ${overrides[$name]} \
+      trainer.max_steps="$steps" trainer.log_every=10 trainer.checkpoint_every=0 hydra.run.dir="$run" \
+      >"$work/$name-$round.log" 2>&1 || { echo "$name round $round failed:"; tail -5 "$work/$name-$round.log"; }
+    grep -h "MFU" "$work/$name-$round.log" | tail -1
+    python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "variant": sys.argv[2], "round": int(sys.argv[3])})) for l in open(sys.argv[1])]' \
+      "$run/metrics.jsonl" "$name" "$round" >>"$OUT/mfu.jsonl" 2>/dev/null
+  done
+done
+python3 - "$OUT/mfu.jsonl" <<'PY' | tee "$OUT/mfu.log"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("variant          rounds  MFU median (min-max)    tokens/s median      ms/step   peak GiB")
+for variant in dict.fromkeys(r["variant"] for r in rows):
+    per_round = {}
+    for r in rows:
+        if r["variant"] == variant and r["step"] > 20:
+            per_round.setdefault(r["round"], []).append(r)
+    def median_of(key):
+        return [statistics.median(x[key] for x in rs) for rs in per_round.values()]
+    mfu, tok, ms = median_of("mfu"), median_of("tokens_per_s"), median_of("step_time_ms")
+    peak = max(x["peak_memory_gib"] for rs in per_round.values() for x in rs)
+    print(f"{variant:16} {len(mfu):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
+          f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {peak:7.1f}")
+PY
