@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# MFU, tokens/s and peak memory of the generated defaults on one GPU, as the log line and
-# metrics.jsonl now give them: gpt2_small eager and compiled (trainer.compile=true), and mlp_134m,
-# interleaved round by round in one invocation (the machines drift between launches). Each run's
-# windows after the first 20 steps (warm-up, compilation) count; the table gives each variant's
-# median over ROUNDS rounds (default 3), and their min-max. Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
+# MFU, tokens/s and peak memory of the generated project on one GPU, as the log line and
+# metrics.jsonl give them, for variants interleaved round by round in one invocation (the
+# machines drift between launches). Each run's windows after the first 20 steps (warm-up,
+# compilation) count; the table gives each variant's median over ROUNDS rounds (default 3), and
+# their min-max. Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
 #   scripts/fetch-gpu-wheels.sh   # once, here
-#   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh
+#   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh [NAME:OVERRIDES ...]
+# Without arguments: gpt2_small eager and compiled, and mlp_134m. With them, e.g.
+#   bash scripts/gpu-mfu.sh "b8:experiment=gpt2_small" "b32:experiment=gpt2_small data.batch_size=32"
 set -uo pipefail
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
 rounds=${ROUNDS:-3}
 steps=${STEPS:-80}
-names=(gpt2-eager gpt2-compiled mlp-eager)
-declare -A overrides=(
-  [gpt2-eager]="experiment=gpt2_small"
-  [gpt2-compiled]="experiment=gpt2_small trainer.compile=true"
-  [mlp-eager]="experiment=mlp_134m"
-)
+variants=("$@")
+if [[ ${#variants[@]} == 0 ]]; then
+  variants=("gpt2-eager:experiment=gpt2_small trainer.compile=false" "gpt2-compiled:experiment=gpt2_small"
+            "mlp-eager:experiment=mlp_134m")
+fi
+names=()
+declare -A overrides=()
+for variant in "${variants[@]}"; do
+  names+=("${variant%%:*}")
+  overrides[${variant%%:*}]=${variant#*:}
+done
 : >"$OUT/mfu.jsonl"
 for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
@@ -39,6 +46,9 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
     for r in rows:
         if r["variant"] == variant and r["step"] > 20:
             per_round.setdefault(r["round"], []).append(r)
+    if not per_round:
+        print(f"{variant:16} no windows past step 20")
+        continue
     def median_of(key):
         return [statistics.median(x[key] for x in rs) for rs in per_round.values()]
     mfu, tok, ms = median_of("mfu"), median_of("tokens_per_s"), median_of("step_time_ms")

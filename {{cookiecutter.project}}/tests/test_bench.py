@@ -113,7 +113,7 @@ def test_gpt2_small_is_gpt2_smalls_shape(compose_train):
     cfg: TrainConfig = OmegaConf.to_object(compose_train("experiment=gpt2_small"))
     assert isinstance(cfg.model, GptConfig) and isinstance(cfg.data, TokensConfig)
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model) == (12, 12, 768)
-    assert (cfg.data.seq_len, cfg.data.vocab_size, cfg.data.batch_size) == (1024, 50304, 8)
+    assert (cfg.data.seq_len, cfg.data.vocab_size, cfg.data.batch_size) == (1024, 50304, 32)
     block = 12 * 768**2 + 13 * 768  # attention 4d^2 + 4d, MLP 8d^2 + 5d, two layer norms 4d
     assert parameters(cfg) == 2 * 50304 * 768 + 1024 * 768 + 12 * block + 2 * 768  # a final norm
     assert cfg.trainer.compile  # on CUDA, where it wins; the bench's reference loop compiles too
