@@ -323,3 +323,11 @@ def pod_template_in(workload: dict, flavor: str) -> dict:
 
 def pod_template_of(rendered) -> dict:
     return pod_template_in(manifest_of(rendered), rendered.flavor)
+
+
+def pod_from(template: dict, name: str, namespace: str, annotations: dict | None = None) -> dict:
+    """The Pod a controller makes from `template`, named `name`, with `annotations` added."""
+    metadata = {**template["metadata"], "name": name, "namespace": namespace}
+    if annotations:
+        metadata["annotations"] = metadata.get("annotations", {}) | annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_template_in, pod_template_of
+from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_from, pod_template_in, pod_template_of
 
 SHARED = TEMPLATE.parent / "shared" / "k8s"
 TRAINER = SHARED / "reference" / "kubeflow-trainer-v2.3.0" / "pkg"
@@ -166,9 +166,7 @@ def test_platform_settings_on_every_flavor_and_node_count_pass_the_server_and_re
     for key, files in renders.items():
         flavor = key.rpartition("-")[0]
         workload = files[f"{flavor}.yaml"]
-        template = pod_template_in(workload, flavor)
-        metadata = {**template["metadata"], "name": f"{key}-0", "namespace": NAMESPACE}
-        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]})
+        pods.append(pod_from(pod_template_in(workload, flavor), f"{key}-0", NAMESPACE))
     try:
         created = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
                                   stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}))  # fmt: skip
@@ -203,14 +201,8 @@ def json_objects(text: str) -> list[dict]:
 def first_pod(rendered) -> dict:
     """Pod 0 of a render, as its controller makes it from the pod template (for a TrainJob, as
     Trainer merges runtime, trainer and patch: conftest.trainer_pod_template)."""
-    template = pod_template_of(rendered)
-    metadata = {"name": f"{rendered.path.name}-0", "namespace": manifest_of(rendered)["metadata"]["namespace"]}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {**template["metadata"], **metadata},
-        "spec": template["spec"],
-    }
+    namespace = manifest_of(rendered)["metadata"]["namespace"]
+    return pod_from(pod_template_of(rendered), f"{rendered.path.name}-0", namespace)
 
 
 def test_every_renders_pods_are_admitted_as_restricted_burstable_and_tokenless(cluster, matrix):

@@ -21,6 +21,7 @@ from conftest import (
     deploy_of,
     job_of,
     manifest_of,
+    pod_from,
     pod_template_of,
 )
 
@@ -573,15 +574,14 @@ def test_checkov_finds_nothing_beyond_the_reasoned_skips(matrix, tmp_path):
     files = sorted(str(p) for r in matrix.values() for p in [*(r.path / "k8s").glob("*.yaml"), r.path / "Dockerfile"])
     for id_, rendered in matrix.items():
         if rendered.flavor != "job":
-            template = pod_template_of(rendered)
-            metadata = {**template["metadata"], "name": f"{rendered.path.name}-0", "namespace": "default"}
-            if rendered.flavor == "trainjob":  # checkov reads the pod alone
-                metadata["annotations"] = metadata.get("annotations", {}) | {
-                    "checkov.io/skip1": "CKV_K8S_38=A TrainJob's pods cannot say it: their ServiceAccount, "
-                    "rendered beside the TrainJob, mounts no token (test_cluster checks the pods get none)"
-                }
+            # checkov reads the pod alone
+            skip = {
+                "checkov.io/skip1": "CKV_K8S_38=A TrainJob's pods cannot say it: their ServiceAccount, "
+                "rendered beside the TrainJob, mounts no token (test_cluster checks the pods get none)"
+            }
+            manifest = pod_from(pod_template_of(rendered), f"{rendered.path.name}-0", "default",
+                                skip if rendered.flavor == "trainjob" else None)  # fmt: skip
             pod = tmp_path / f"{id_}-pod.yaml"
-            manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
             pod.write_text(yaml.safe_dump(manifest))
             files.append(str(pod))
     assert len(files) > len(matrix) * 3

@@ -64,6 +64,7 @@ def test_a_gpu_the_table_cannot_tell_leaves_mfu_empty_not_wrong(name):
 
 def test_mfu_is_the_share_of_every_gpus_peak():
     assert mfu(1000.0, 1e9, 2, 1e12) == pytest.approx(0.5)  # 1e12 FLOPS over two GPUs of 1e12
+    assert mfu(1000.0, None, 2, 1e12) is None  # a model of your own without flops_per_token()
     # gpt2_small's count (about 0.86 GFLOPs per token) at 120k tokens/s: about 0.10 of an H200
     gpt2 = 6 * 123.7e6 + 12 * 12 * 768 * 1024
     assert mfu(120_000.0, gpt2, 1, peak_flops("NVIDIA H200")) == pytest.approx(

@@ -43,7 +43,7 @@ from {{ cookiecutter.package }} import allreduce, check, ddp, train
 from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
 from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
 from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
+from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer, compiles
 from {{ cookiecutter.package }}.world import World
 
 PACKAGE = __package__
@@ -74,9 +74,7 @@ def reference_ms(
             model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                                   fused=(cfg.trainer.fused_optimizer and cuda) or None)  # fmt: skip
-    forward = (
-        torch.compile(model) if cfg.trainer.compile and cuda else model
-    )  # as the template does
+    forward = torch.compile(model) if compiles(cfg, device) else model
     dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     accumulation = cfg.trainer.grad_accumulation

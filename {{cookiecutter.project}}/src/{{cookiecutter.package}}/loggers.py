@@ -58,7 +58,7 @@ class LoggerError(ConfigError):
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row as tagged scalars; the columns left empty (not measured) are left out."""
-    return {tag: row[key] for key, tag in TAGS.items() if row.get(key) is not None}
+    return {tag: row[key] for key, tag in TAGS.items() if row[key] is not None}
 
 
 def missing_packages(cfg: LoggersConfig) -> str | None:

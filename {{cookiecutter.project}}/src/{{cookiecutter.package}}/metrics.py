@@ -89,11 +89,11 @@ class RunRecord:
             line += f"  grad norm {row['grad_norm']:.3g}"
         if row["comm_share"] is not None:
             line += f"  comm {100 * row['comm_share']:.0f}%"
-        if row.get("tokens_per_s") is not None and row["tokens_per_s"] != row["samples_per_s"]:
+        if row["tokens_per_s"] != row["samples_per_s"]:  # a model whose sample is one token: once
             line += f"  {row['tokens_per_s']:,.0f} tok/s"
-        if row.get("mfu") is not None:
+        if row["mfu"] is not None:
             line += f"  MFU {100 * row['mfu']:.1f}%"
-        if row.get("peak_memory_gib") is not None:
+        if row["peak_memory_gib"] is not None:
             line += f"  peak mem {row['peak_memory_gib']:.1f} GiB"
         log.info(line)
         with (self.run_dir / "metrics.jsonl").open("a") as out:

@@ -35,8 +35,11 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, gpus: int, peak: float | None) -> float | None:
-    """The share of `gpus` GPUs' peak that `tokens_per_s` (over all of them) reaches."""
-    if peak is None or gpus < 1:
+def mfu(
+    tokens_per_s: float, flops_per_token: float | None, gpus: int, peak: float | None
+) -> float | None:
+    """The share of `gpus` GPUs' peak that `tokens_per_s` (over all of them) reaches; None where
+    the peak or the model's FLOPs per token are unknown."""
+    if peak is None or flops_per_token is None or gpus < 1:
         return None
     return tokens_per_s * flops_per_token / (peak * gpus)

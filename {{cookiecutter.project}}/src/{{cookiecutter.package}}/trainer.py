@@ -93,6 +93,12 @@ class Window:
         return totals
 
 
+def compiles(cfg: TrainConfig, device: torch.device) -> bool:
+    """trainer.compile on CUDA only: inductor's CPU code needs a C++ compiler, which an image or
+    a CI machine may lack, and the CPU is where this project runs its tests, not its training."""
+    return cfg.trainer.compile and device.type == "cuda"
+
+
 class Trainer:
     """One process's share of a run: its model replica, optimizer, data shard and checkpoints."""
 
@@ -114,9 +120,7 @@ class Trainer:
         with device:  # initialised where it trains: no host copy of the weights
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
-        # Compiled on CUDA only: inductor's CPU code needs a C++ compiler, which an image or a
-        # CI machine may lack, and the CPU is where this project runs its tests, not its training.
-        self.compiled = cfg.trainer.compile and device.type == "cuda"
+        self.compiled = compiles(cfg, device)
         if cfg.trainer.compile and not self.compiled and world.main:
             log.info(
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
@@ -191,19 +195,20 @@ class Trainer:
             self.checkpointer.config,
         )
         self.window = Window(self.device, self.progress.step)
-        record_start = self.progress.step
+        compiling = self.compiled  # the first step after each start compiles the model
         with record:  # on an error or a stop too: the bar stops and the files close
             while self.progress.step < max_steps:
                 step = self.progress.step + 1
                 log_now = self.ends_window(step)
-                started = time.perf_counter()
+                started = time.perf_counter() if compiling else 0.0
                 self.step([next(batches) for _ in range(accumulation)], log_now)
-                if self.compiled and step == record_start + 1:  # compilation: once per start
+                if compiling:
                     torch.cuda.synchronize(self.device)
                     took = time.perf_counter() - started
                     log.info(
                         "torch.compile: the first step took %.1f s (compiling the model)", took
                     )
+                    compiling = False
                 self.progress.step = step
                 self.watchdog.beat()
                 record.step(step)
@@ -332,9 +337,7 @@ class Trainer:
             "comm_share": comm_share,  # rank 0's last step of the window
             "world_size": self.world.size,
             "tokens_per_s": tokens_per_s,
-            "mfu": perf.mfu(tokens_per_s, self.flops_per_token, self.world.size, self.peak_flops)
-            if self.flops_per_token
-            else None,
+            "mfu": perf.mfu(tokens_per_s, self.flops_per_token, self.world.size, self.peak_flops),
             "peak_memory_gib": peak_memory,
         }
 
