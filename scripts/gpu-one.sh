@@ -10,5 +10,6 @@ scripts=$(cd "$(dirname "$0")" && pwd)
 cd "$work"
 python3 -m ddp_project.doctor 2>&1 | tee "$OUT/doctor.txt"
 echo "GPU-RESULT doctor exit ${PIPESTATUS[0]}" | tee -a "$OUT/doctor.txt"
-python3 "$scripts/gpu-stop.py" ddp_project "${NPROC:-1}" 2>&1 | tee "$OUT/stop.txt"
+# shellcheck disable=SC2086  # STOP_OVERRIDES are words, e.g. experiment=gpt2_small (compiled)
+python3 "$scripts/gpu-stop.py" ddp_project "${NPROC:-1}" ${STOP_OVERRIDES:-} 2>&1 | tee "$OUT/stop.txt"
 echo "GPU-RESULT gpu-stop exit ${PIPESTATUS[0]}"

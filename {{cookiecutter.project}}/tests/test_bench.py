@@ -30,6 +30,8 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["processes"] == 2 and report["pairs"] == 2 and report["parameters"] > 0
+    # --warmup 10 --steps 10 in whole windows of the default trainer.log_every, 25
+    assert (report["window_steps"], report["warmup_steps"], report["timed_steps"]) == (25, 25, 25)
     assert sorted(report["step_ms"]) == ["1", "2"]
     for size, loops in report["step_ms"].items():
         assert sorted(loops) == ["reference", "template"]
@@ -45,13 +47,24 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
     assert "template / reference" in out and "scaling efficiency 1 -> 2" in out
 
 
+def test_both_loops_are_timed_over_the_log_windows_of_a_run_at_most_50_steps(compose_train):
+    def window(*overrides):
+        return bench.timed(OmegaConf.to_object(compose_train(*overrides))).trainer.log_every
+
+    windows = [window(), window("trainer.log_every=7"), window("trainer.log_every=100000")]
+    assert windows == [25, 7, 50]
+    assert [bench.whole_windows(steps, 25) for steps in (0, 1, 25, 26)] == [0, 25, 25, 50]
+
+
 def times(template_1, reference_1, template_2, reference_2):
     return {"1": {"template": template_1, "reference": reference_1},
             "2": {"template": template_2, "reference": reference_2}}  # fmt: skip
 
 
-def result(step_ms, allreduce_ms=1.0):
-    return {"processes": 2, "step_ms": step_ms, "gradient_allreduce": {"time_ms": allreduce_ms}}
+def result(step_ms, allreduce_ms=1.0, flops_per_token=None, peak_flops=None):
+    return {"processes": 2, "step_ms": step_ms, "gradient_allreduce": {"time_ms": allreduce_ms},
+            "batch_per_process": 4, "tokens_per_sample": 250,
+            "flops_per_token": flops_per_token, "peak_flops": peak_flops}  # fmt: skip
 
 
 def test_figures_are_ratios_within_each_pair():
@@ -207,6 +220,28 @@ def test_the_table_puts_each_figure_in_its_row_and_column():
     assert "scaling efficiency 1 -> 2: template 0.625 (0.625-0.625), reference 0.800" in table
     assert ("all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
             "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)") in table  # fmt: skip
+
+
+def test_both_loops_mfu_comes_from_their_own_step_times_and_is_left_out_when_unknown():
+    """1000 tokens per process and step, 1e9 FLOPs each, on a 1e14 FLOPS GPU: a 10 ms step is
+    1e14 FLOPS, MFU 1.0, whatever the number of GPUs (the figures are per process)."""
+    step_ms = times([10.0, 20.0], [8.0, 8.0], [12.5, 12.5], [10.0, 10.0])
+    report = bench.figures(result(step_ms, flops_per_token=1e9, peak_flops=1e14))
+    assert report["mfu"] == {
+        "1": {"template": {"median": 0.75, "min": 0.5, "max": 1.0},
+              "reference": {"median": 1.25, "min": 1.25, "max": 1.25}},
+        "2": {"template": {"median": 0.8, "min": 0.8, "max": 0.8},
+              "reference": {"median": 1.0, "min": 1.0, "max": 1.0}},
+    }  # fmt: skip
+    table = bench.render({**report, **HEADER})
+    rows = {line[:22].strip(): line[22:].split() for line in table.splitlines()}
+    assert rows["template MFU"] == ["0.750", "(0.500-1.000)", "0.800", "(0.800-0.800)"]
+    assert rows["reference MFU"] == ["1.250", "(1.250-1.250)", "1.000", "(1.000-1.000)"]
+    for unknown in ({"flops_per_token": 1e9}, {"peak_flops": 1e14}):  # a model of one's own, a CPU
+        report = bench.figures(result(step_ms, **unknown))
+        assert report["mfu"] is None
+        table = bench.render({**report, **HEADER})
+        assert "MFU" not in table
 
 
 def test_a_failed_launch_names_the_root_cause(monkeypatch):

@@ -98,7 +98,8 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_restarts_
 # Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
 # ends) lands in STOP_RECORDS/exit<rank>. With SLOW_RANK_1_INIT, rank 1 sleeps before
 # init_process_group while rank 0 waits for it there, in C; with SLOW_RANK_1_RESUME, after
-# loading the checkpoint, while rank 0 waits in the exchange before the first step. Each marks
+# loading the checkpoint, while rank 0 waits in the exchange before the first step; with
+# SLOW_FIRST_STEP, every rank's first step takes 60 s, as torch.compile's may. Each marks
 # waiting<rank> on the way. With FAIL_SECOND_WRITE, rank 0's second checkpoint write fails as
 # on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more. With
 # PAUSE_RANK_1_AFTER_STEP, rank 1 marks paused1 once that step's checkpoint is written and sleeps.
@@ -167,6 +168,18 @@ if "RANK" in os.environ:
                 time.sleep(60)
 
         Checkpointer.save = _pausing_save
+    if os.environ.get("SLOW_FIRST_STEP"):
+        from PACKAGE.trainer import Trainer
+        _step, _stepped = Trainer.step, []
+
+        def _compiling_step(self, *args, **kwargs):
+            if not _stepped:
+                _stepped.append(True)
+                (_records / f"waiting{os.environ['RANK']}").touch()
+                time.sleep(60)
+            return _step(self, *args, **kwargs)
+
+        Trainer.step = _compiling_step
 """.replace("PACKAGE", PACKAGE)
 STEP_LINE = re.compile(r"step (\d+)/\d+ ")
 
@@ -244,17 +257,16 @@ def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(tmp_
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rank_1_sleeps", ["SLOW_RANK_1_INIT", "SLOW_RANK_1_RESUME"])
-def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
-    tmp_path, stop_hook, rank_1_sleeps
-):
+@pytest.mark.parametrize("slow", ["SLOW_RANK_1_INIT", "SLOW_RANK_1_RESUME", "SLOW_FIRST_STEP"])
+def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(tmp_path, stop_hook, slow):
     """SIGTERM while rank 0 waits for rank 1 in C (Python runs no handler there): in
-    init_process_group, or in the exchange before the first step, which fails as rank 1 ends.
+    init_process_group, or in the exchange before the first step, which fails as rank 1 ends;
+    or while every rank runs its first step, as long as a compile of the model (issue 22) takes.
     Nothing to save: every rank ends at once with 143, one line, and no remedy block."""
     env, records = stop_hook
     command = train_command("hydra.run.dir=run")
     process = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **env, rank_1_sleeps: "1"},
+        command, cwd=tmp_path, env={**os.environ, **env, slow: "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:

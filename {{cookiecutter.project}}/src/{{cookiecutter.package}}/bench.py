@@ -7,9 +7,11 @@
 
 One torchrun launch over every local GPU (2 CPU processes without CUDA) times, pair after pair:
   - the template: trainer.Trainer, the loop that train runs, with the overrides given and
-    checkpoints off, timed by its own log windows;
+    checkpoints off, timed by its own log windows (trainer.log_every steps, at most 50: what a
+    run logs, it pays for here too);
   - the reference: a minimal hand-written DDP loop with the same model, optimizer, autocast, DDP
-    knobs and micro-batches, on fixed batches already on the device;
+    knobs and micro-batches, on fixed batches already on the device, timed over windows as long,
+    each ending in a synchronisation as the template's do;
 first on 1 GPU (rank 0 alone, no DDP), then on all of them; the order within a pair alternates.
 Step times drift between launches and within one, so every figure is a ratio within one pair:
 template / reference for 1 and N GPUs, and the scaling efficiency 1 -> N of each, as the median
@@ -36,18 +38,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import allreduce, check, ddp, train
+from {{ cookiecutter.package }} import allreduce, check, compilation, ddp, perf, train
 from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
 from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
 from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer, compiles
+from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
 from {{ cookiecutter.package }}.world import World
 
 PACKAGE = __package__
-WINDOW = 10  # steps per timing window, for both loops
+MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
 RESULT_LINE = re.compile(r"^BENCH (\{.*\})$", re.MULTILINE)
 
 
@@ -62,6 +63,7 @@ def reference_ms(
     cfg: TrainConfig, world: World, device: torch.device, warmup: int, steps: int
 ) -> float:
     """A minimal hand-written DDP loop, as the DDP tutorial writes one: median window step time."""
+    window = cfg.trainer.log_every
     cuda = device.type == "cuda"
     torch.manual_seed(cfg.trainer.seed)
     with device:
@@ -74,28 +76,30 @@ def reference_ms(
             model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                                   fused=(cfg.trainer.fused_optimizer and cuda) or None)  # fmt: skip
-    forward = torch.compile(model) if compiles(cfg, device) else model
+    compiled = compilation.compiles(cfg, device)
+    forward = torch.compile(model) if compiled else model
+    loss_of = compilation.loss_function(compiled)
     dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     accumulation = cfg.trainer.grad_accumulation
     batches = [random_batch(cfg, device) for _ in range(accumulation)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     windows = []
-    for _ in range((warmup + steps) // WINDOW):
+    for _ in range((warmup + steps) // window):
         sync()
         started = time.perf_counter()
-        for _ in range(WINDOW):
+        for _ in range(window):
             for i, (inputs, labels) in enumerate(batches, start=1):
                 with model.no_sync() if i < accumulation and world.size > 1 else nullcontext():
                     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                        loss = F.cross_entropy(forward(inputs).flatten(0, -2), labels.flatten())
+                        loss = loss_of(forward(inputs), labels)
                     scaler.scale(loss / accumulation).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
         sync()
-        windows.append((time.perf_counter() - started) / WINDOW * 1e3)
-    return statistics.median(windows[warmup // WINDOW :])
+        windows.append((time.perf_counter() - started) / window * 1e3)
+    return statistics.median(windows[warmup // window :])
 
 
 def random_batch(cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +122,7 @@ def template_ms(
     steps: int,
 ) -> float:
     """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
-    timed = replace(cfg.trainer, max_steps=warmup + steps, log_every=WINDOW, checkpoint_every=0)
+    timed = replace(cfg.trainer, max_steps=warmup + steps, checkpoint_every=0)
     # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)
@@ -142,9 +146,23 @@ def gradient_allreduce(parameters: int, device: torch.device, world: World) -> d
     }
 
 
+def timed(cfg: TrainConfig) -> TrainConfig:
+    """Both loops are timed over the template's log windows, trainer.log_every steps (at most
+    MAX_WINDOW), each ending in a synchronisation: the template pays for what a run logs."""
+    window = min(cfg.trainer.log_every, MAX_WINDOW)
+    return replace(cfg, trainer=replace(cfg.trainer, log_every=window))
+
+
+def whole_windows(steps: int, window: int) -> int:
+    """`steps` rounded up to whole timing windows."""
+    return -(-steps // window) * window
+
+
 def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: int) -> None:
     world = World.from_env()
-    cfg = check.load_config(overrides)
+    cfg = timed(check.load_config(overrides))
+    window = cfg.trainer.log_every
+    warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
     profile = check.choice("nccl", overrides)
     train.apply_nccl_env(cfg, world, profile, scratch)
     device = train.select_device(cfg, world)
@@ -170,7 +188,9 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                 dist.barrier(group=control)
                 times[n][loop].append(round(ms, 4))
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in build_model(cfg.model, cfg.data).parameters())
+        model = build_model(cfg.model, cfg.data)
+    parameters = sum(p.numel() for p in model.parameters())
+    flops = getattr(model, "flops_per_token", None)
     gradients = gradient_allreduce(parameters, device, world) if world.size > 1 else None
     if world.main:
         cuda = device.type == "cuda"
@@ -183,10 +203,14 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
             "processes": world.size,
             "parameters": parameters,
             "batch_per_process": cfg.data.batch_size * cfg.trainer.grad_accumulation,
+            "tokens_per_sample": getattr(model, "tokens_per_sample", 1),
+            "flops_per_token": flops() if flops else None,
+            "peak_flops": perf.peak_flops(torch.cuda.get_device_name(device)) if cuda else None,
             "precision": cfg.trainer.precision.value if cuda else "fp32",
             "pairs": pairs,
             "warmup_steps": warmup,
             "timed_steps": steps,
+            "window_steps": window,
             "step_ms": {str(n): loops for n, loops in times.items()},
             "gradient_allreduce": gradients,
         }
@@ -216,6 +240,15 @@ def figures(result: dict) -> dict:
         size: spread([t / r for t, r in zip(loops["template"], loops["reference"], strict=True)])
         for size, loops in times.items()
     }
+    tokens = result["batch_per_process"] * result["tokens_per_sample"]  # per process and step
+    report["mfu"] = {
+        size: {
+            loop: spread([perf.mfu(tokens / (ms / 1e3), result["flops_per_token"], 1, result["peak_flops"]) or 0.0
+                          for ms in times[size][loop]])
+            for loop in ("template", "reference")
+        }
+        for size in times
+    } if result.get("flops_per_token") and result.get("peak_flops") else None  # fmt: skip
     if n == 1:
         return report
     one, many = times["1"], times[str(n)]
@@ -260,7 +293,8 @@ def render(report: dict) -> str:
         + (f", NCCL {report['nccl']}, nccl={report['nccl_profile']}" if gpus else ""),
         f"{report['parameters'] / 1e6:.1f}M parameters, batch {report['batch_per_process']} per "
         f"process, {report['precision']}; {report['pairs']} pairs of {report['timed_steps']} timed "
-        f"steps after {report['warmup_steps']}; overrides: {' '.join(report['overrides']) or 'none'}",
+        f"steps after {report['warmup_steps']}, in windows of {report.get('window_steps', 10)}; "
+        f"overrides: {' '.join(report['overrides']) or 'none'}",
         "",
         "median (min-max) over the pairs",
     ]
@@ -271,6 +305,9 @@ def render(report: dict) -> str:
         lines.append(f"{loop + ' step ms':<22}" + "".join(f"{c:>26}" for c in row))
     ratios = [cell(report["template_over_reference"][size]) for size in sizes]
     lines.append(f"{'template / reference':<22}" + "".join(f"{c:>26}" for c in ratios))
+    for loop in ("reference", "template") if report.get("mfu") else ():
+        row = [cell(report["mfu"][size][loop]) for size in sizes]
+        lines.append(f"{loop + ' MFU':<22}" + "".join(f"{c:>26}" for c in row))
     if "scaling_efficiency" in report:
         efficiency = report["scaling_efficiency"]
         allreduce_figures = report["gradient_allreduce"]
@@ -333,10 +370,10 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--pairs", type=at_least(1), default=5, help="template/reference pairs")
     parser.add_argument(
-        "--warmup", type=at_least(0), default=20, help="untimed steps (rounded up to 10s)"
+        "--warmup", type=at_least(0), default=25, help="untimed steps, in whole log windows"
     )
     parser.add_argument(
-        "--steps", type=at_least(1), default=40, help="timed steps (rounded up to 10s)"
+        "--steps", type=at_least(1), default=50, help="timed steps, in whole log windows"
     )
     parser.add_argument(
         "--json", type=Path, default=Path("bench.json"), help="where the figures go"
@@ -345,8 +382,6 @@ def main() -> int:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # its scratch dir
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
-    args.warmup = -(-args.warmup // WINDOW) * WINDOW
-    args.steps = -(-args.steps // WINDOW) * WINDOW
     if args.worker:
         worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
         return 0

@@ -474,6 +474,23 @@ class StopSignals:
                 self.depth -= 1
                 self.settled = self.settled or (self.depth == 0 and self.signum is not None)
 
+    @contextmanager
+    def undeferred(self) -> Iterator[None]:
+        """A stretch of deferred() with nothing new to save: the first step after a start or a
+        resume, which torch.compile can make minutes long. A signal ends the process at once, as
+        before the steps, rather than waiting past a pod's grace period to save nothing new."""
+        with self.lock:
+            depth, self.depth = self.depth, 0
+            now = self.signum is not None and not self.settled and self.previous is not None
+        if now:  # it came since the exchange before the first step
+            self.say(self.stopped_line())
+            os._exit(self.exit_code)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth += depth
+
     def stopped_line(self) -> str:
         """For a stop with nothing new to save."""
         when = "after the last step" if self.stepped else "before the first step"

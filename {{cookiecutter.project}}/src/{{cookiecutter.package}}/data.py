@@ -153,7 +153,9 @@ class DeviceBatches:
         if order:
             device = self.dataset.tensors[0].device
             for batch in torch.tensor(order, device=device):
-                yield self.dataset[batch]
+                # index_select, not dataset[batch]: advanced indexing costs the host more, and a
+                # step of a few ms waits for the host (benchmarks/loop-overhead/trace_steps.py)
+                yield tuple(tensor.index_select(0, batch) for tensor in self.dataset.tensors)
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -151,17 +151,24 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
+FLUSH_S = 10
+
+
 class TensorBoard:
     def __init__(self, run_dir: Path, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run starts again after its checkpoint: forget what was logged past it.
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        # A resumed run starts again after its checkpoint: forget what was logged past it. The
+        # writer's thread flushes every FLUSH_S, and close() at the end or a stop: a flush per
+        # log line made the step wait for that thread (issue 22), and a run that dies loses
+        # FLUSH_S of events at most (metrics.csv keeps every row).
+        self.writer = SummaryWriter(
+            log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=FLUSH_S
+        )
 
     def log(self, row: dict[str, Any]) -> None:
         for tag, value in scalars(row).items():
             self.writer.add_scalar(tag, value, global_step=row["step"])
-        self.writer.flush()  # a run that dies keeps its events
 
     def close(self) -> None:
         self.writer.close()

@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import ddp, metrics, perf
+from {{ cookiecutter.package }} import compilation, ddp, metrics, perf
 from {{ cookiecutter.package }}.checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -93,12 +92,6 @@ class Window:
         return totals
 
 
-def compiles(cfg: TrainConfig, device: torch.device) -> bool:
-    """trainer.compile on CUDA only: inductor's CPU code needs a C++ compiler, which an image or
-    a CI machine may lack, and the CPU is where this project runs its tests, not its training."""
-    return cfg.trainer.compile and device.type == "cuda"
-
-
 class Trainer:
     """One process's share of a run: its model replica, optimizer, data shard and checkpoints."""
 
@@ -120,13 +113,15 @@ class Trainer:
         with device:  # initialised where it trains: no host copy of the weights
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
-        self.compiled = compiles(cfg, device)
+        self.compiled = compilation.compiles(cfg, device)
         if cfg.trainer.compile and not self.compiled and world.main:
             log.info(
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
                 device.type,
             )
         self.forward = torch.compile(self.model) if self.compiled else self.model
+        self.loss = compilation.loss_function(self.compiled)
+        self.recompiles = compilation.Recompiles()
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=cfg.trainer.lr,
@@ -195,30 +190,47 @@ class Trainer:
             self.checkpointer.config,
         )
         self.window = Window(self.device, self.progress.step)
-        compiling = self.compiled  # the first step after each start compiles the model
+        row = None  # a closed window's, written once the next step is queued on the GPU
+        first = True
         with record:  # on an error or a stop too: the bar stops and the files close
-            while self.progress.step < max_steps:
-                step = self.progress.step + 1
-                log_now = self.ends_window(step)
-                started = time.perf_counter() if compiling else 0.0
-                self.step([next(batches) for _ in range(accumulation)], log_now)
-                if compiling:
-                    torch.cuda.synchronize(self.device)
-                    took = time.perf_counter() - started
-                    log.info(
-                        "torch.compile: the first step took %.1f s (compiling the model)", took
-                    )
-                    compiling = False
-                self.progress.step = step
-                self.watchdog.beat()
-                record.step(step)
-                if log_now:
-                    record.write(self.log_row(step))
-                self.checkpointer.save(step, last_step=step == max_steps)
-                if self.checkpointer.preempted:
-                    self.report_stop(step)
-                    return True
+            try:
+                while self.progress.step < max_steps:
+                    step = self.progress.step + 1
+                    log_now = self.ends_window(step)
+                    started = time.perf_counter()
+                    with preemption.signals.undeferred() if first else nullcontext():
+                        self.step([next(batches) for _ in range(accumulation)], log_now)
+                    if row is not None:  # the file and logger work overlaps this step on the GPU
+                        record.write(row)
+                        row = None
+                    if first and self.compiled:
+                        self.report_compile(started)
+                    first = False
+                    self.progress.step = step
+                    self.watchdog.beat()
+                    record.step(step)
+                    if log_now:
+                        row = self.log_row(step)
+                    self.checkpointer.save(step, last_step=step == max_steps)
+                    if self.checkpointer.preempted:
+                        if row is not None:
+                            record.write(row)
+                            row = None
+                        self.report_stop(step)
+                        return True
+            finally:
+                if row is not None:
+                    record.write(row)
         return False
+
+    def report_compile(self, started: float) -> None:
+        """After the first step, which compiled the model: how long it took, and from here on
+        the graphs that torch.compile makes are news."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - started
+        log.info("torch.compile: the first step took %.1f s (compiling the model)", took)
+        self.recompiles.start()
 
     def resume(self) -> None:
         """Load the newest checkpoint, if there is one; Incompatible if it does not fit."""
@@ -268,7 +280,7 @@ class Trainer:
             with nullcontext() if i == count else self.no_sync():
                 with self.autocast():
                     logits = self.forward(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+                    loss = self.loss(logits, labels)
                 self.scaler.scale(loss / count if count > 1 else loss).backward()
             losses.append(loss.detach())
         step_loss = losses[0] if count == 1 else torch.stack(losses).mean()
@@ -324,6 +336,9 @@ class Trainer:
             self.comm_timer.share() if self.comm_timer else None if self.world.size > 1 else 0.0
         )
         totals = self.window.close(step, self.world)
+        recompiled = self.recompiles.news() if self.compiled else None
+        if recompiled and self.world.main:
+            log.warning("step %d: %s", step, recompiled)
         tokens_per_s = totals["samples_per_s"] * self.tokens_per_sample
         peak_memory = None
         if self.device.type == "cuda":  # rank 0's, over the window

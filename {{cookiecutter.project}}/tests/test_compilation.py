@@ -1,0 +1,66 @@
+"""torch.compile's watch on recompiles, on a CPU: dynamo with its "eager" backend compiles graphs
+(and recompiles them) as on a GPU, without inductor's C++ compiler, which CI may lack."""
+
+import logging
+from functools import partial
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package }} import compilation
+from {{ cookiecutter.package }}.trainer import Trainer
+from {{ cookiecutter.package }}.world import World
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    monkeypatch.setattr(compilation, "compiles", lambda cfg, device: cfg.trainer.compile)
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def batches_of(sizes: list[int], features: int, classes: int):
+    for size in sizes:
+        yield torch.randn(size, features), torch.randint(classes, (size,))
+
+
+def test_a_recompile_after_the_first_step_is_named_with_its_cause(
+    compose_train, tmp_path, compiled_on_cpu, caplog
+):
+    """Steps 1-4 keep one batch shape (their compile is the run's own: no line), steps 5-8 change
+    it three times (one line at step 8, naming dynamo's cause), steps 9-12 go back to a shape
+    compiled already (no line)."""
+    cfg = OmegaConf.to_object(compose_train(
+        "dist.backend=gloo", "trainer.compile=true", "trainer.max_steps=12", "trainer.log_every=4",
+        "trainer.checkpoint_every=0",
+    ))  # fmt: skip
+    trainer = Trainer(cfg, World(), torch.device("cpu"), tmp_path / "run")
+    sizes = [16] * 4 + [8, 12, 16, 10] + [16] * 4
+    data = cfg.data
+    trainer.batches = lambda: batches_of(sizes, data.num_features, data.num_classes)
+    with caplog.at_level(logging.WARNING):
+        assert trainer.train() is False
+    warnings = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    first_words = "step 8: torch.compile compiled 6 new graph(s) since the first step"
+    assert warnings[0].startswith(first_words)
+    assert "size mismatch at index 0. expected" in warnings[0] and "actual 10)" in warnings[0]
+    assert "keep the input shapes fixed" in warnings[0] and "trainer.compile=false" in warnings[0]
+
+
+def test_steady_shapes_compile_once_and_say_nothing(
+    compose_train, tmp_path, compiled_on_cpu, caplog
+):
+    cfg = OmegaConf.to_object(compose_train(
+        "dist.backend=gloo", "trainer.compile=true", "trainer.max_steps=8", "trainer.log_every=2",
+        "trainer.checkpoint_every=0",
+    ))  # fmt: skip
+    trainer = Trainer(cfg, World(), torch.device("cpu"), tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        assert trainer.train() is False
+    assert trainer.recompiles.total == 0
+    assert "torch.compile" not in caplog.text
