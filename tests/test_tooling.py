@@ -10,6 +10,8 @@ OWN_CODE = [
     "scripts",
     "benchmarks/loop-overhead",
     "benchmarks/attention",
+    "benchmarks/loss",
+    "benchmarks/peer",
     "local_extensions.py",
     "new-project",
 ]
