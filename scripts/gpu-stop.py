@@ -59,6 +59,7 @@ def stop_once(package: str, nproc: int, run_dir: Path, signum: int, group: bool,
         "stopped_at": int(named[-1][1]) if named else None,
         "newest_checkpoint": int(newest[-1].stem.split("_")[1]) if newest else None,
         "nothing_to_save": "stopped before the first step, nothing new to save" in output,
+        "compiled": "torch.compile: the first step took" in output,  # the first step ended
         "last_lines": output.strip().splitlines()[-3:],
     }
 
@@ -85,10 +86,12 @@ def main() -> int:
     if during_compile:
         row = during_compile
         print(f"GPU-RESULT stop while the first step compiles: exit {row['exit']} in {row['seconds']} s, "
-              f"nothing new to save said: {row['nothing_to_save']}, newest checkpoint "
-              f"{row['newest_checkpoint']}")  # fmt: skip
+              f"nothing new to save said: {row['nothing_to_save']}, first step done: {row['compiled']}, "
+              f"newest checkpoint {row['newest_checkpoint']}")  # fmt: skip
         ok = ok and row["exit"] == 143 and row["seconds"] is not None and row["seconds"] < 5
-        ok = ok and row["nothing_to_save"] and row["newest_checkpoint"] == results[-1]["newest_checkpoint"]
+        # Ended inside the first step: its compile never finished, nothing was saved after it.
+        ok = ok and row["nothing_to_save"] and not row["compiled"]
+        ok = ok and row["newest_checkpoint"] == results[-1]["newest_checkpoint"]
         results.append(row)
     (Path(os.environ.get("OUT", "/tmp")) / "gpu-stop.json").write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

@@ -64,3 +64,39 @@ def test_steady_shapes_compile_once_and_say_nothing(
         assert trainer.train() is False
     assert trainer.recompiles.total == 0
     assert "torch.compile" not in caplog.text
+
+
+def test_the_cause_named_is_the_new_one_when_only_one_of_two_compiled_codes_recompiles(
+    compiled_on_cpu,
+):
+    """The model and the loss are two compiled codes: when only the first recompiles, the line
+    names its new cause, not an older one of the other."""
+
+    def model(x):
+        return x * 2
+
+    def loss(x):
+        return x.sum()
+
+    model, loss = torch.compile(model), torch.compile(loss)
+    watch = compilation.Recompiles()
+    model(torch.ones(2)), loss(torch.ones(2))
+    watch.start()
+    model(torch.ones(3)), loss(torch.ones(3))
+    assert "expected 2, actual 3)" in watch.news()
+    model(torch.ones(4)), loss(torch.ones(3))
+    line = watch.news()
+    assert "actual 4)" in line and watch.total == 3  # dynamo's cause of this recompile
+    assert watch.news() is None
+
+
+def test_a_torch_without_dynamos_counts_turns_the_watch_off_with_one_line(monkeypatch):
+    def gone():
+        raise ImportError("cannot import name 'counters'")
+
+    monkeypatch.setattr(compilation, "_graphs", gone)
+    watch = compilation.Recompiles()
+    watch.start()
+    line = watch.news()
+    assert line.startswith("the watch on recompiles is off") and "cannot import name" in line
+    assert watch.news() is None

@@ -240,11 +240,15 @@ class Checkpointer:
 
     # --- saving ---------------------------------------------------------------------------
 
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether save() writes at this step, unless a stop signal makes it."""
+        return self.enabled and (last_step or step % self.every == 0)
+
     def save(self, step: int, last_step: bool = False) -> None:
         """Call once per step, after it. Saves every `every` steps, at the last step, and when
         the ranks agree to stop after SIGTERM (then `preempted` is set)."""
         self.preempted = self.preemption.agreed(step)
-        if self.enabled and (self.preempted or last_step or step % self.every == 0):
+        if self.due(step, last_step) or (self.enabled and self.preempted):
             self.write(step)
 
     def write(self, step: int) -> None:
@@ -361,8 +365,9 @@ class StopSignals:
     """SIGTERM and SIGINT, from a worker's start to its end; one per process (SIGNALS).
 
     While steps run (inside deferred()), a signal is a request: Preemption turns it into a step
-    that every rank agrees to stop at, with a checkpoint there. Before the first step and after
-    the last there is nothing to save, so the process ends at once, with one line from rank 0.
+    that every rank agrees to stop at, with a checkpoint there. Before the first step is done
+    (undeferred(): it may be compiling for minutes) and after the last there is nothing new to
+    save, so the process ends at once, with one line from rank 0.
     That exit comes from a thread woken by the signal itself (a wakeup fd): Python runs handlers
     in the main thread only, and that may wait in C for long (a rendezvous, the gate).
     """

@@ -36,41 +36,61 @@ def loss_function(compiled: bool) -> Loss:
 
 
 def _graphs() -> int:
-    from torch._dynamo.utils import counters  # private, so read defensively
+    from torch._dynamo.utils import counters  # private, so any failure turns the watch off
 
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def _guard_failures() -> list[str]:
+def _guard_failures() -> dict[object, list[str]]:
+    """Dynamo's recompile causes, per compiled code object, oldest first."""
     from torch._dynamo import utils
 
-    failures = getattr(utils, "guard_failures", {})
-    return [reason for reasons in list(failures.values()) for reason in reasons]
+    return {code: list(reasons) for code, reasons in getattr(utils, "guard_failures", {}).items()}
 
 
 class Recompiles:
     """The graphs torch.compile makes after the first step. A step whose shapes (or other
     guarded values) differ from every compiled one's compiles again, as long as the first step
     did, and past torch._dynamo.config.recompile_limit the code runs eager, with one warning
-    from dynamo; till then nothing says so. news() names them each log window."""
+    from dynamo; till then nothing says so. news() names them each log window. Each rank
+    watches its own; rank 0 says so. The counts are dynamo's private ones: where a torch version
+    lacks them, the watch is off and says so once."""
 
     def __init__(self) -> None:
-        self.graphs = self.failures = 0
+        self.graphs = 0
+        self.seen: dict[object, int] = {}  # causes seen, per code object
         self.total = 0  # since the first step
+        self.off: str | None = None  # why the watch is off
+        self.said_off = False
 
     def start(self) -> None:
         """After the first step: what it compiled is the run's own."""
-        self.graphs, self.failures = _graphs(), len(_guard_failures())
+        try:
+            self.graphs = _graphs()
+            self.seen = {code: len(reasons) for code, reasons in _guard_failures().items()}
+        except Exception as err:  # noqa: BLE001 - a diagnostic must not stop a run
+            self.off = f"{type(err).__name__}: {err}"
 
     def news(self) -> str | None:
         """A line if graphs were compiled since the last call, naming dynamo's last cause."""
-        graphs, failures = _graphs(), _guard_failures()
-        new, cause = graphs - self.graphs, failures[self.failures :]
-        self.graphs, self.failures = graphs, len(failures)
+        graphs, failures = 0, {}
+        if self.off is None:
+            try:
+                graphs, failures = _graphs(), _guard_failures()
+            except Exception as err:  # noqa: BLE001
+                self.off = f"{type(err).__name__}: {err}"
+        if self.off is not None:
+            if self.said_off:
+                return None
+            self.said_off = True
+            return f"the watch on recompiles is off: torch._dynamo's counts failed ({self.off})"
+        new = graphs - self.graphs
+        causes = [r for code, rs in failures.items() for r in rs[self.seen.get(code, 0) :]]
+        self.graphs, self.seen = graphs, {code: len(rs) for code, rs in failures.items()}
         if new <= 0:
             return None
         self.total += new
-        last = re.sub(r"^\d+/\d+: ", "", cause[-1]) if cause else "not given"
+        last = re.sub(r"^\d+/\d+: ", "", causes[-1]) if causes else "not given"
         limit = getattr(torch._dynamo.config, "recompile_limit", 8)
         return (
             f"torch.compile compiled {self.total} new graph(s) since the first step (last "

@@ -201,8 +201,8 @@ class Trainer:
                     with preemption.signals.undeferred() if first else nullcontext():
                         self.step([next(batches) for _ in range(accumulation)], log_now)
                     if row is not None:  # the file and logger work overlaps this step on the GPU
-                        record.write(row)
-                        row = None
+                        pending, row = row, None
+                        record.write(pending)
                     if first and self.compiled:
                         self.report_compile(started)
                     first = False
@@ -211,15 +211,19 @@ class Trainer:
                     record.step(step)
                     if log_now:
                         row = self.log_row(step)
+                        # A resume keeps the rows up to its checkpoint: this one goes first.
+                        if self.checkpointer.due(step, last_step=step == max_steps):
+                            pending, row = row, None
+                            record.write(pending)
                     self.checkpointer.save(step, last_step=step == max_steps)
                     if self.checkpointer.preempted:
                         if row is not None:
-                            record.write(row)
-                            row = None
+                            pending, row = row, None
+                            record.write(pending)
                         self.report_stop(step)
                         return True
             finally:
-                if row is not None:
+                if row is not None:  # the step after it failed: the window's figures stand
                     record.write(row)
         return False
 
