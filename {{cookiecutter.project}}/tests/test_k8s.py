@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }}.check import config_problem
 from {{ cookiecutter.package }}.config import hydra_overrides
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.k8s import apply, meta, pods, render, sync
 from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
 
@@ -554,3 +555,25 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
     assert capsys.readouterr().err == (
         f"make k8s-apply: kubectl apply: Unauthorized; {folder}/ is not applied: run make k8s-apply again\n"
     )
+
+
+def test_every_exit_code_is_in_the_readme_and_a_job_fails_at_once_on_exactly_the_fatal_ones(
+    compose_train,
+):
+    """exits.Exit is the one table of codes: the README's rows and the Job's podFailurePolicy are
+    read against it, each code run through the policy as the Job controller runs it."""
+    from test_multinode import pod_failure_verdict
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| ([^|]+) \| ([^|]+) \|$", readme, re.MULTILINE)
+    assert [(int(code), name, meaning.strip()) for code, name, meaning, _ in rows] == [
+        (int(code), code.name, code.meaning) for code in Exit
+    ]
+    for flavor in ("job", "jobset"):
+        manifest = objects(compose_train, f"deploy.flavor={flavor}")[f"{flavor}.yaml"]
+        job = manifest if flavor == "job" else manifest["spec"]["replicatedJobs"][0]["template"]
+        for (code, _, _, action), member in zip(rows, Exit, strict=True):
+            verdict = pod_failure_verdict(job, int(code), disrupted=False)
+            assert verdict == ("FailJob" if member.fails_job else "Count"), (flavor, member)
+            assert (verdict == "FailJob") == action.strip().startswith("fails at once")
+        assert pod_failure_verdict(job, Exit.PREEMPTED, disrupted=True) == "Ignore"

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from {{ cookiecutter.package }} import allreduce, check, compilation, ddp, perf, train
 from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
 from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
 from {{ cookiecutter.package }}.world import World
@@ -397,7 +398,7 @@ def main() -> int:
         report = figures(launch(args, nproc))
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
-        return 1
+        return Exit.FAILED
     except KeyboardInterrupt:
         print("bench: stopped by Ctrl-C; nothing was measured to the end", file=sys.stderr)
         return 130
@@ -406,7 +407,7 @@ def main() -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     except OSError as err:  # writable when checked: the table above is what is left
         print(f"bench: could not write {args.json}: {err.strerror or err}", file=sys.stderr)
-        return 1
+        return Exit.FAILED
     print(f"\nfigures: {args.json}")
     return 0
 

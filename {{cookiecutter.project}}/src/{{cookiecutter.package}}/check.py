@@ -39,8 +39,7 @@ from {{ cookiecutter.package }}.config import (
     typed,
     yaml_problem,
 )
-
-EXIT_CONFIG_ERROR = 2
+from {{ cookiecutter.package }}.exits import Exit
 
 
 def schema_keys(err: Exception) -> list[str]:
@@ -200,12 +199,12 @@ def main() -> int:
         if args.nproc_per_node < 1:
             print(f"error: --nproc-per-node={args.nproc_per_node}: must be at least 1",
                   file=sys.stderr)  # fmt: skip
-            return EXIT_CONFIG_ERROR
+            return Exit.CONFIG_ERROR
         os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(args.nproc_per_node)
     problem = config_problem(args.overrides)
     if problem:
         print(f"config error: {problem}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return Exit.CONFIG_ERROR
     print("config ok")
     return 0
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from {{ cookiecutter.package }}.exits import Exit, for_signal
 from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
 from {{ cookiecutter.package }}.world import World
 
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.pt")
 PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
 REQUIRED = {"step", "model", "optimizer", "data"}
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, the code a process stopped by SIGTERM conventionally reports
 
 
 class Stateful(Protocol):
@@ -65,15 +65,21 @@ class Progress:
 class Incompatible(Exception):
     """A checkpoint that cannot be loaded into this run's model or optimizer; one line."""
 
+    exit = Exit.CONFIG_ERROR
+
 
 class CheckpointFailed(Exception):
     """Rank 0 could not write a checkpoint (a full disk); every rank raises it, with rank 0's
     cause as one line."""
 
+    exit = Exit.CHECKPOINT_FAILED
+
 
 class Diverged(RuntimeError):
     """A loss, gradient norm or weights that are inf or nan. The run stops, and nothing is saved
     from that state: the checkpoints on disk are the good ones."""
+
+    exit = Exit.DIVERGED
 
     def __init__(self, step: int, what: str) -> None:
         super().__init__(f"step {step}: {what} is not finite")
@@ -396,8 +402,7 @@ class StopSignals:
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal's number, as a shell reports a process the signal ended: 143, 130."""
-        return 128 + (self.signum or signal.SIGTERM)
+        return for_signal(self.signum or signal.SIGTERM)
 
     def install(self, main: bool = True) -> bool:
         """Take SIGTERM and SIGINT (main thread only). False if they were taken already."""

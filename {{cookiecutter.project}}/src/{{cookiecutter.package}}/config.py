@@ -30,12 +30,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from {{ cookiecutter.package }} import nccl
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.k8s.checks import deploy_errors
 from {{ cookiecutter.package }}.world import World
 
 
 class ConfigError(ValueError):
     """A config value that is well typed but not allowed. The message names the key."""
+
+    exit = Exit.CONFIG_ERROR
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -882,7 +885,7 @@ def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(grace_s)
-    sys.exit(2)
+    sys.exit(Exit.CONFIG_ERROR)
 
 
 RUN_NAME_VAR = "DDP_RUN_NAME"  # the launcher names the run for its workers

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from {{ cookiecutter.package }}.config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.world import World
 
 NOISE = 4  # data=tokens: the values each next token can take given the one before
@@ -242,13 +243,13 @@ def main() -> int:
     problem = prepare_problem(args.text, args.out)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG_ERROR
     try:
         count = prepare(args.text, args.out)
     except OSError as err:
         print(f"error: {err.filename or args.out}: {err.strerror or err}; {args.out} not written",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return Exit.FAILED
     except KeyboardInterrupt:
         print(f"interrupted; {args.out} not written", file=sys.stderr)
         return 130

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import nccl, probe
 from {{ cookiecutter.package }}.config import TrainConfig, register_configs
+from {{ cookiecutter.package }}.exits import Exit
 
 PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto
@@ -360,7 +361,7 @@ def main() -> int:
     except Refused as err:
         parser.exit(2, f"{parser.prog}: {err}\n")
     print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["ok"] else 1
+    return Exit.OK if report["ok"] else Exit.FAILED
 
 
 if __name__ == "__main__":

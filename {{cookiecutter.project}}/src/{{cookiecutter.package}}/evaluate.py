@@ -37,6 +37,7 @@ from {{ cookiecutter.package }}.config import (
     uses_cuda,
 )
 from {{ cookiecutter.package }}.data import build_dataset
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.model import build_model
 from {{ cookiecutter.package }}.trainer import AUTOCAST
 from {{ cookiecutter.package }}.world import World
@@ -279,7 +280,7 @@ def main() -> int:
     except (ConfigError, checkpoint.Incompatible) as err:
         if world.local_rank == 0:
             print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG_ERROR
     except KeyboardInterrupt:
         if world.local_rank == 0:
             print("evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
@@ -296,7 +297,7 @@ def main() -> int:
         print(score, flush=True)
         print(f"evaluate: could not save {out}: {err.strerror or err}; the score above is all there is",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return Exit.FAILED
     print(f"{score} -> {out}")
     return 0
 

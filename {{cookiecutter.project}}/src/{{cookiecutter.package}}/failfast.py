@@ -20,7 +20,6 @@ import torch.distributed as dist
 from {{ cookiecutter.package }} import probe
 from {{ cookiecutter.package }}.nccl import Decision
 
-EXIT_COLLECTIVE_FAILED = 3
 GATE_PHASE = "the gate right after init_process_group"  # the first collective: the transport's test
 STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL has not
 NCCL_WORK = re.compile(r"WorkNCCL\(SeqNum=(\d+), OpType=(\w+)")

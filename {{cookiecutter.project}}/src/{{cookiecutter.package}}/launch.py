@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from {{ cookiecutter.package }} import PROJECT
+from {{ cookiecutter.package }}.exits import Exit, for_signal
 
 
 def stopped_while_starting(signum: int, frame: object) -> NoReturn:
     """A stop while torch and Hydra import (seconds): nothing has started, nothing to undo."""
     print(f"{PROJECT} train: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
-    os._exit(128 + signum)
+    os._exit(for_signal(signum))
 
 
 # c10d's store client logs each failed try to reach the rendezvous with a C++ stack, dozens of
@@ -82,18 +83,18 @@ from {{ cookiecutter.package }}.config import (
 
 PACKAGE = __package__
 COMMAND = PROJECT
-MEANING = {
-    check.EXIT_CONFIG_ERROR: "a config error, printed above",
-    3: "a collective failed: the block above says why",
-    4: "training diverged: the line above says what to do",
-    5: "a checkpoint could not be written: the line above says why",
-    128 + signal.SIGINT: "stopped by SIGINT after a checkpoint",
-    128 + signal.SIGTERM: "stopped by SIGTERM after a checkpoint",
+MEANING = {  # a worker's exit, as the launcher's last line names it
+    Exit.CONFIG_ERROR: "a config error, printed above",
+    Exit.COLLECTIVE_FAILED: "a collective failed: the block above says why",
+    Exit.DIVERGED: "training diverged: the line above says what to do",
+    Exit.CHECKPOINT_FAILED: "a checkpoint could not be written: the line above says why",
+    Exit.INTERRUPTED: "stopped by SIGINT after a checkpoint",
+    Exit.PREEMPTED: "stopped by SIGTERM after a checkpoint",
 }
 # Exits of a process that was asked to stop (Ctrl-C, SIGTERM): no failure of its own.
-STOPPED = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+STOPPED = {Exit.INTERRUPTED, Exit.PREEMPTED, -signal.SIGINT, -signal.SIGTERM}
 # Exits whose one line the worker printed itself: a config error, a divergence, a failed write.
-SAID_ALREADY = {check.EXIT_CONFIG_ERROR, 4, 5}
+SAID_ALREADY = {Exit.CONFIG_ERROR, Exit.DIVERGED, Exit.CHECKPOINT_FAILED}
 # torchrun's own ways to name the program: the launcher always runs -m <package>.train.
 PROGRAM_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 
@@ -581,7 +582,7 @@ def launch(args: list[str]) -> int:
     if args[:1] != ["train"]:
         print(f"usage: {COMMAND} train [torchrun options] [overrides]  (see --help of train)",
               file=sys.stderr)  # fmt: skip
-        return 2 if args[:1] not in (["-h"], ["--help"]) else 0
+        return Exit.CONFIG_ERROR if args[:1] not in (["-h"], ["--help"]) else Exit.OK
     if args[1:2] in (["-h"], ["--help"]):
         print(__doc__)
         return 0
@@ -600,7 +601,7 @@ def launch(args: list[str]) -> int:
             raise UsageError(problem)
     except (UsageError, ArgumentError) as err:
         print(f"{COMMAND} train: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG_ERROR
     local_size, world_size = processes(parsed)
     one_node = world_size == local_size
     if one_node:  # its launch names the run (several nodes: config.run_name)
@@ -648,13 +649,13 @@ def launch(args: list[str]) -> int:
                 # failure under any flavor's policy; exiting would cost one per node.
                 if one_node or not set(memory.last) - seen:
                     say(f": {rendezvous_problem(parsed, err)}")
-                    return 1
+                    return Exit.FAILED
                 seconds = rendezvous_timeout(parsed, "read_timeout")
                 say(f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
                     f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s")  # fmt: skip
             except RendezvousError as err:
                 say(f": {rendezvous_problem(parsed, err)}")
-                return 1
+                return Exit.FAILED
             except ChildFailedError as err:
                 line, code = summary(err, memory)
                 if line.startswith("stopped by"):

@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, check, loggers
+from {{ cookiecutter.package }} import PROJECT, loggers
+from {{ cookiecutter.package }}.exits import Exit
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def exit_before_the_others(err: loggers.LoggerError, run_dir: Path) -> NoReturn:
     print(f"config error: {err}", file=sys.stderr, flush=True)
     for handler in logging.getLogger().handlers:
         handler.flush()
-    os._exit(check.EXIT_CONFIG_ERROR)  # no unwinding: a later exit reads as a consequence
+    os._exit(Exit.CONFIG_ERROR)  # no unwinding: a later exit reads as a consequence
 
 
 class ProgressBar:
@@ -310,7 +311,7 @@ def main() -> int:
     path = plot_metrics(run_dir)
     if path is None:
         print(f"{run_dir}: nothing to draw: metrics.csv has fewer than 2 rows", file=sys.stderr)
-        return 2
+        return Exit.CONFIG_ERROR
     print(path)
     return 0
 

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.nccl import NodeFacts
 from {{ cookiecutter.package }}.world import World
 
@@ -273,4 +274,4 @@ if __name__ == "__main__":
     )
     parser.add_argument("--peer-copy", nargs=2, type=int, metavar=("SRC", "DST"), required=True)
     args = parser.parse_args()
-    sys.exit(0 if peer_copy(*args.peer_copy) else 1)
+    sys.exit(Exit.OK if peer_copy(*args.peer_copy) else Exit.FAILED)

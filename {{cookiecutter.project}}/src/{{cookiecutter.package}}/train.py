@@ -37,13 +37,11 @@ from {{ cookiecutter.package }}.config import (
     typed,
     uses_cuda,
 )
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.trainer import Trainer
 from {{ cookiecutter.package }}.world import World
 
 log = logging.getLogger(__name__)
-EXIT_CONFIG_ERROR = 2  # as check.py's: the Job's podFailurePolicy fails at once on it
-EXIT_DIVERGED = 4
-EXIT_CHECKPOINT_FAILED = 5  # rank 0 could not write a checkpoint (a full disk): its line says why
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
 
 
@@ -155,7 +153,7 @@ def stop_when_orphaned(launcher_pid: int) -> None:
     """torchrun is gone (SIGKILL, OOM): stop as on SIGTERM, with a checkpoint if the ranks can
     still agree on a step, and end within ORPHAN_EXIT_S whatever happens."""
     log.warning("torchrun (pid %d) is gone: stopping", launcher_pid)
-    threading.Timer(ORPHAN_EXIT_S, os._exit, args=(checkpoint.EXIT_PREEMPTED,)).start()
+    threading.Timer(ORPHAN_EXIT_S, os._exit, args=(Exit.PREEMPTED,)).start()
     signal.raise_signal(signal.SIGTERM)
 
 
@@ -189,7 +187,7 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
         report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
         logging.shutdown()
         # No destroy_process_group here: on a wedged communicator it can hang for good.
-        os._exit(failfast.EXIT_COLLECTIVE_FAILED)
+        os._exit(Exit.COLLECTIVE_FAILED)
 
     # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
     watchdog = failfast.StallWatchdog(cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail)
@@ -217,15 +215,15 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
         except checkpoint.Diverged as err:
             if world.main:
                 report_divergence(err, cfg, trainer.checkpointer.newest)
-            exit_code = EXIT_DIVERGED
+            exit_code = err.exit
         except checkpoint.Incompatible as err:  # every rank loads the same checkpoint
             if world.main:
                 print(f"config error: {err}", file=sys.stderr, flush=True)
-            exit_code = EXIT_CONFIG_ERROR
+            exit_code = err.exit
         except checkpoint.CheckpointFailed as err:  # every rank hears it from rank 0
             if world.main:
                 print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-            exit_code = EXIT_CHECKPOINT_FAILED
+            exit_code = err.exit
         del trainer
         gc.collect()  # drop DDP's reducer and the DataLoader workers before the barrier
         dist.barrier()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from {{ cookiecutter.package }} import k8s
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.k8s import persist, render, sync
 from {{ cookiecutter.package }}.k8s.pods import nccl_env
 
@@ -54,12 +55,12 @@ def main() -> int:
     refused = None if args.check or args.force else outside_project(args.out)
     if refused:
         print(f"error: {refused}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG_ERROR
     command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if args.out != Path("k8s") else "")
     if args.check and args.overrides:
         print(f"error: --check compares k8s/ with configs/ as they are: run {command} "
               f"{' '.join(args.overrides)} to write the overrides first", file=sys.stderr)  # fmt: skip
-        return 2
+        return Exit.CONFIG_ERROR
     # A project's own configs/ when run in it (the files an override is written to), else the
     # installed package's.
     source = project_root(Path.cwd()) / "configs"
@@ -79,19 +80,19 @@ def main() -> int:
             sys.stdout.writelines(sync.unified_diff(rendered, args.out))
             print(f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
                   file=sys.stderr)  # fmt: skip
-            return 1
+            return Exit.FAILED
         if args.overrides:
             if folder is None:
                 print(f"error: no configs/ here to write the overrides to: run {command} in the project",
                       file=sys.stderr)  # fmt: skip
-                return 2
+                return Exit.CONFIG_ERROR
             composed = {"deploy": deploy, "nccl": profile,
                         "profile": check.choice("nccl", args.overrides, folder)}  # fmt: skip
             try:
                 written = persist.persist(args.overrides, composed, folder)
             except (ValueError, OSError) as err:
                 print(f"error: {err}; nothing was written", file=sys.stderr)
-                return 2
+                return Exit.CONFIG_ERROR
             for line in written:
                 print(f"wrote {line}")
         try:
@@ -101,7 +102,7 @@ def main() -> int:
                 f"error: {err}; {args.out}/ is as it was: {command} writes it again",
                 file=sys.stderr,
             )
-            return 1
+            return Exit.FAILED
     print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
     for note in render.notes(deploy):
         print(note)

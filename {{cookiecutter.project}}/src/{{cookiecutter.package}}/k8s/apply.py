@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from {{ cookiecutter.package }}.exits import Exit
 from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
 from {{ cookiecutter.package }}.k8s.meta import NAME_LABEL
 
@@ -87,19 +88,19 @@ def to_delete(objects: list[dict[str, Any]], namespace: str, known: set[str]) ->
 def main(folder: Path = Path("k8s")) -> int:
     if shutil.which("kubectl") is None:
         print("make k8s-apply: kubectl is not on PATH", file=sys.stderr)
-        return 1
+        return Exit.FAILED
     objects = [yaml.safe_load(path.read_text()) for path in sorted(folder.glob("*.yaml"))]
     if not objects:
         print(f"make k8s-apply: {folder}/ holds no manifests: python -m {__package__} writes them",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return Exit.FAILED
     (namespace,) = {manifest["metadata"]["namespace"] for manifest in objects}
     try:
         server_check(objects)
     except Refused as refused:
         print(f"make k8s-apply: the server refuses k8s/, so the running job is left as it is: {refused}",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return Exit.FAILED
     try:
         known = set(kubectl("api-resources", "-o", "name").split())
         for kind_and_name in to_delete(objects, namespace, known):
@@ -110,7 +111,7 @@ def main(folder: Path = Path("k8s")) -> int:
     except Refused as refused:
         print(f"make k8s-apply: {refused}; {folder}/ is not applied: run make k8s-apply again",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return Exit.FAILED
     except KeyboardInterrupt:  # the old job may be gone already: say what is left to do
         print(f"make k8s-apply: stopped by SIGINT; {folder}/ is not applied: run make k8s-apply again",
               file=sys.stderr)  # fmt: skip

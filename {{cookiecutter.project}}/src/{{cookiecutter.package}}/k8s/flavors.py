@@ -7,10 +7,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from {{ cookiecutter.package }}.exits import FAIL_AT_ONCE
 from {{ cookiecutter.package }}.k8s.meta import labels, optional, resource
 from {{ cookiecutter.package }}.k8s.pods import (
     COMMAND,
-    FAIL_AT_ONCE,
     POD_IP,
     Launch,
     c10d_launch,

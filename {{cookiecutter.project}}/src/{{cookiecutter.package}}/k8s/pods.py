@@ -24,7 +24,6 @@ from {{ cookiecutter.package }}.k8s.meta import (
 # The launcher (launch.py, the project's console script): it checks the config and the run dir,
 # then runs torchrun; a config error exits 2 and a divergence 4, which fail the job at once.
 COMMAND = PROJECT
-FAIL_AT_ONCE = [2, 4]
 RUNS_MOUNT = "/workspace/runs"
 # Workers get a fresh store per rendezvous round. Sharing torchrun's store (the default since torch
 # 2.5) hands restarted workers the previous round's addresses: pytorch/pytorch#135712, and the
