@@ -69,11 +69,13 @@ EXPECTED_FILES = {
     "src/{package}/bench.py",
     "src/{package}/check.py",
     "src/{package}/checkpoint.py",
+    "src/{package}/compilation.py",
     "src/{package}/config.py",
     "src/{package}/data.py",
     "src/{package}/ddp.py",
     "src/{package}/doctor.py",
     "src/{package}/evaluate.py",
+    "src/{package}/exits.py",
     "src/{package}/failfast.py",
     "src/{package}/k8s/__init__.py",
     "src/{package}/k8s/__main__.py",
@@ -101,6 +103,7 @@ EXPECTED_FILES = {
     "tests/test_bench.py",
     "tests/test_check.py",
     "tests/test_checkpoint.py",
+    "tests/test_compilation.py",
     "tests/test_config.py",
     "tests/test_data.py",
     "tests/test_doctor.py",
@@ -119,6 +122,7 @@ EXPECTED_FILES = {
     "tests/test_rundir.py",
     "tests/test_project_files.py",
     "tests/test_train.py",
+    "tests/test_trainer.py",
 }
 # What each profile must put in the Job's env block.
 PROFILE_ENV = {

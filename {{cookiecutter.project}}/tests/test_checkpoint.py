@@ -1,10 +1,9 @@
-"""The Checkpointer and the loop's guards, in-process with one CPU process (no process group, or
-a gloo group of one): what is kept, what is never deleted, that non-finite numbers stop a run or
-skip a step without touching a good checkpoint, and how a stop signal is agreed on."""
+"""The Checkpointer in-process with one CPU process (no process group, or a gloo group of one):
+what is kept, what is never deleted, what a checkpoint gives back, and how a stop signal is agreed
+on. The loop's own guards are in test_trainer.py."""
 
 import errno
 import logging
-import math
 import os
 import random
 import signal
@@ -12,11 +11,9 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from {{ cookiecutter.package }} import checkpoint
 from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
-from {{ cookiecutter.package }}.trainer import Trainer, Window
 from {{ cookiecutter.package }}.world import World
 
 ONE = World()
@@ -93,65 +90,6 @@ def test_non_finite_weights_are_never_written(tmp_path):
     assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
 
 
-@pytest.fixture
-def trainer_for(compose_train, tmp_path):
-    def make(*overrides: str) -> Trainer:
-        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
-        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / "run")
-
-    return make
-
-
-def batch(value: float = 0.0):
-    inputs = torch.randn(128, 32)
-    inputs[0, 0] += value
-    return inputs, torch.randint(8, (128,))
-
-
-def test_a_non_finite_loss_stops_at_the_end_of_its_log_window(trainer_for):
-    trainer = trainer_for("trainer.log_every=5")
-    trainer.step([batch()], ends_window=False)
-    trainer.step([batch(float("inf"))], ends_window=False)
-    trainer.step([batch()], ends_window=True)
-    with pytest.raises(Diverged, match="step 3: the loss is not finite"):
-        trainer.log_row(3)
-
-
-def test_skip_drops_the_update_of_a_non_finite_step_and_trains_on(trainer_for):
-    trainer = trainer_for("trainer.on_nonfinite=skip")
-    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-    trainer.step([batch(float("nan"))], ends_window=False)
-    assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
-    trainer.step([batch()], ends_window=True)
-    after = trainer.module.state_dict()
-    assert not all(torch.equal(before[k], after[k]) for k in before)
-    row = trainer.log_row(2)
-    assert math.isfinite(row["loss"]) and row["grad_norm"] > 0  # the good step's
-
-
-def test_skip_still_stops_when_every_step_of_a_window_is_non_finite(trainer_for):
-    trainer = trainer_for("trainer.on_nonfinite=skip")
-    for _ in range(2):
-        trainer.step([batch(float("nan"))], ends_window=False)
-    with pytest.raises(Diverged, match="every step since the last log line"):
-        trainer.log_row(2)
-
-
-def test_clipping_bounds_the_gradients_the_optimizer_sees_and_logs_the_norm(trainer_for):
-    trainer = trainer_for("trainer.max_grad_norm=0.5")
-    seen, step = [], trainer.optimizer.step
-
-    def step_and_note(*args, **kwargs):
-        grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
-        seen.append(torch.nn.utils.get_total_norm(grads).item())
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = step_and_note
-    trainer.step([batch(1e4)], ends_window=True)  # a large gradient
-    assert seen == [pytest.approx(0.5, rel=1e-4)]
-    assert trainer.log_row(1)["grad_norm"] > 10  # the norm before clipping is what is logged
-
-
 def test_progress_round_trips_through_its_state():
     progress = Progress(7, 2, 5)
     restored = Progress()
@@ -220,36 +158,6 @@ def test_a_slow_or_fast_start_misleads_the_interval_by_little(monkeypatch, lone_
     assert max(delays) <= 2.5
 
 
-def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_for, caplog):
-    trainer_for("trainer.max_steps=5", "trainer.checkpoint_every=5").train()
-    resumed = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
-    signals = resumed.checkpointer.preemption.signals = checkpoint.StopSignals()
-    signals.signum = signal.SIGTERM  # came while the checkpoint loaded
-    with caplog.at_level(logging.WARNING):
-        assert resumed.train() is True
-    assert resumed.progress.step == 5 and names(resumed.run_dir) == ["step_000000005.pt"]
-    assert "SIGTERM: stopped before the first step, nothing new to save" in caplog.text
-    assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
-
-
-def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
-    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=0")
-    signals = trainer.checkpointer.preemption.signals = checkpoint.StopSignals()
-    step = trainer.step
-
-    def step_then_ctrl_c(*args, **kwargs):
-        step(*args, **kwargs)
-        if trainer.progress.step == 2:  # during step 3
-            signal.raise_signal(signal.SIGINT)
-
-    trainer.step = step_then_ctrl_c
-    with caplog.at_level(logging.WARNING):
-        assert trainer.train() is True
-    assert trainer.progress.step == 3 and signals.exit_code == 130
-    assert "SIGINT: stopped at step 3 (checkpoints are off)" in caplog.text
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
-
-
 class FullDisk:
     """A file on a file system with `room` bytes left: writes beyond it fail as the OS fails
     them (torch.save then raises a RuntimeError of its own during the OSError)."""
@@ -290,28 +198,6 @@ def test_a_full_disk_is_named_as_the_cause_and_the_good_checkpoints_stay(tmp_pat
     assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
 
 
-def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):
-    """Window.close all-reduces its sums: rank 0 logs the mean over every rank's samples, and a
-    non-finite loss on any rank stops them all at the same step."""
-    other_rank = {"loss": 30.0, "correct": 7.0, "nonfinite": 0.0}  # its sums for the window
-
-    def all_reduce(tensor, *args, **kwargs):  # the other rank's share arrives
-        tensor += torch.tensor(list(other_rank.values()))
-
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    two = World(rank=0, size=2)
-    window = Window(torch.device("cpu"), step=0)
-    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(2.0))
-    window.add_accuracy(torch.eye(4)[[0, 1, 2, 3]], torch.tensor([0, 1, 2, 0]))  # 3 of 4 right
-    totals = window.close(step=1, world=two)
-    assert totals["loss"] == pytest.approx((10.0 + 30.0) / (10 * 2))
-    assert totals["accuracy"] == pytest.approx((3 + 7) / (4 * 2))
-    other_rank["loss"] = math.nan
-    window.add(torch.tensor(1.0), samples=10, grad_norm=None)
-    with pytest.raises(Diverged, match="step 2: the loss is not finite"):
-        window.close(step=2, world=two)
-
-
 def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_written_with(
     tmp_path,
 ):
@@ -339,14 +225,6 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
     assert all(torch.equal(before[key], after[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
     assert torch.equal(torch.rand(3), expected_rng[0]) and random.random() == expected_rng[1]
-
-
-def test_a_non_finite_gradient_norm_stops_even_when_the_loss_is_finite():
-    """An overflowing gradient with a finite loss: the norm's own check stops the run."""
-    window = Window(torch.device("cpu"), step=0)
-    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(math.inf))
-    with pytest.raises(Diverged, match="step 1: the gradient norm is not finite"):
-        window.close(step=1, world=ONE)
 
 
 def test_a_rank_that_got_no_signal_stops_for_its_peers_and_exits_with_its_code(monkeypatch):

@@ -180,8 +180,19 @@ def test_every_rank_gets_the_same_env():
     assert envs[0]["NCCL_P2P_DISABLE"] == "1"
 
 
+@pytest.mark.parametrize(
+    ("torch_version", "buffer_var"),
+    [("2.11.0+cu130", "TORCH_FR_BUFFER_SIZE"), ("2.13.0", "TORCH_FR_BUFFER_SIZE"),
+     ("2.10.1", "TORCH_NCCL_TRACE_BUFFER_SIZE"), ("2.9.0a0+git1234", "TORCH_NCCL_TRACE_BUFFER_SIZE")],
+)  # fmt: skip
+def test_the_flight_recorders_buffer_goes_by_the_name_the_torch_version_reads(
+    torch_version, buffer_var
+):
+    assert nccl.flight_recorder_env("/t_", torch_version)[buffer_var] == "2000"
+
+
 def test_flight_recorder_defaults_yield_to_the_environment():
-    defaults = nccl.flight_recorder_env("/run/nccl/trace_rank_")
+    defaults = nccl.flight_recorder_env("/run/nccl/trace_rank_", "2.11.0")
     decision = nccl.decide(
         NcclConfig(), None, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, defaults=defaults
     )
@@ -189,7 +200,8 @@ def test_flight_recorder_defaults_yield_to_the_environment():
 
 
 def test_explicit_async_error_handling_beats_torchruns_default_quietly():
-    explicit = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("2", "config dist.async_error_handling")}
+    assert nccl.explicit_settings(None) == {}
+    explicit = nccl.explicit_settings(2)
     quiet = nccl.decide(
         NcclConfig(), None, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, explicit=explicit
     )

@@ -10,6 +10,7 @@ from conftest import PACKAGE
 
 from {{ cookiecutter.package }} import nccl, probe
 from {{ cookiecutter.package }}.config import NcclConfig
+from {{ cookiecutter.package }}.world import World
 
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -77,3 +78,14 @@ def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monke
 def test_a_reader_gives_up_when_nothing_is_published(tmp_path):
     with pytest.raises(TimeoutError, match="local rank 0 published no node probe"):
         probe.shared_node_facts(tmp_path, local_rank=1, wait_s=0.3)
+
+
+def test_world_reads_the_launch_and_its_restart_from_torchruns_environment():
+    """The probe's file and the failure marker are named per launch and restart from World."""
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+    world = World.from_env(env)
+    assert (world.rank, world.local_rank, world.size, world.local_size) == (3, 1, 4, 2)
+    assert world.launched and world.main is False and world.attempt == "job-7-2"
+    alone = World.from_env({})
+    assert not alone.launched and alone.main and alone.attempt == "local-0"

@@ -1,25 +1,147 @@
-"""The loop's bookkeeping around its steps: when a log window's row reaches metrics.jsonl."""
+"""The training loop in-process, on one CPU process: its guards (a non-finite loss or gradient
+stops a run or skips a step), its log windows (summed over ranks; a row reaches metrics.jsonl
+before the checkpoint of its step), and how it stops for a signal."""
 
 import json
+import logging
+import math
+import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import metrics
-from {{ cookiecutter.package }}.checkpoint import Checkpointer
-from {{ cookiecutter.package }}.trainer import Trainer
+from {{ cookiecutter.package }} import checkpoint, metrics
+from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged
+from {{ cookiecutter.package }}.trainer import Trainer, Window
 from {{ cookiecutter.package }}.world import World
+
+ONE = World()
+
+
+def checkpoint_names(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
 @pytest.fixture
-def trainer_with(compose_train, tmp_path):
+def trainer_for(compose_train, tmp_path):
     def make(*overrides: str) -> Trainer:
         cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
         (tmp_path / "run").mkdir(exist_ok=True)
-        return Trainer(cfg, World(), torch.device("cpu"), tmp_path / "run")
+        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / "run")
 
     return make
+
+
+def batch(value: float = 0.0):
+    inputs = torch.randn(128, 32)
+    inputs[0, 0] += value
+    return inputs, torch.randint(8, (128,))
+
+
+def test_a_non_finite_loss_stops_at_the_end_of_its_log_window(trainer_for):
+    trainer = trainer_for("trainer.log_every=5")
+    trainer.step([batch()], ends_window=False)
+    trainer.step([batch(float("inf"))], ends_window=False)
+    trainer.step([batch()], ends_window=True)
+    with pytest.raises(Diverged, match="step 3: the loss is not finite"):
+        trainer.log_row(3)
+
+
+def test_skip_drops_the_update_of_a_non_finite_step_and_trains_on(trainer_for):
+    trainer = trainer_for("trainer.on_nonfinite=skip")
+    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.step([batch(float("nan"))], ends_window=False)
+    assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
+    trainer.step([batch()], ends_window=True)
+    after = trainer.module.state_dict()
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+    row = trainer.log_row(2)
+    assert math.isfinite(row["loss"]) and row["grad_norm"] > 0  # the good step's
+
+
+def test_skip_still_stops_when_every_step_of_a_window_is_non_finite(trainer_for):
+    trainer = trainer_for("trainer.on_nonfinite=skip")
+    for _ in range(2):
+        trainer.step([batch(float("nan"))], ends_window=False)
+    with pytest.raises(Diverged, match="every step since the last log line"):
+        trainer.log_row(2)
+
+
+def test_clipping_bounds_the_gradients_the_optimizer_sees_and_logs_the_norm(trainer_for):
+    trainer = trainer_for("trainer.max_grad_norm=0.5")
+    seen, step = [], trainer.optimizer.step
+
+    def step_and_note(*args, **kwargs):
+        grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
+        seen.append(torch.nn.utils.get_total_norm(grads).item())
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_note
+    trainer.step([batch(1e4)], ends_window=True)  # a large gradient
+    assert seen == [pytest.approx(0.5, rel=1e-4)]
+    assert trainer.log_row(1)["grad_norm"] > 10  # the norm before clipping is what is logged
+
+
+def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_for, caplog):
+    trainer_for("trainer.max_steps=5", "trainer.checkpoint_every=5").train()
+    resumed = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
+    signals = resumed.checkpointer.preemption.signals = checkpoint.StopSignals()
+    signals.signum = signal.SIGTERM  # came while the checkpoint loaded
+    with caplog.at_level(logging.WARNING):
+        assert resumed.train() is True
+    assert resumed.progress.step == 5 and checkpoint_names(resumed.run_dir) == ["step_000000005.pt"]
+    assert "SIGTERM: stopped before the first step, nothing new to save" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
+
+
+def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
+    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=0")
+    signals = trainer.checkpointer.preemption.signals = checkpoint.StopSignals()
+    step = trainer.step
+
+    def step_then_ctrl_c(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.progress.step == 2:  # during step 3
+            signal.raise_signal(signal.SIGINT)
+
+    trainer.step = step_then_ctrl_c
+    with caplog.at_level(logging.WARNING):
+        assert trainer.train() is True
+    assert trainer.progress.step == 3 and signals.exit_code == 130
+    assert "SIGINT: stopped at step 3 (checkpoints are off)" in caplog.text
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+
+def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):
+    """Window.close all-reduces its sums: rank 0 logs the mean over every rank's samples, and a
+    non-finite loss on any rank stops them all at the same step."""
+    other_rank = {"loss": 30.0, "correct": 7.0, "nonfinite": 0.0}  # its sums for the window
+
+    def all_reduce(tensor, *args, **kwargs):  # the other rank's share arrives
+        tensor += torch.tensor(list(other_rank.values()))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    two = World(rank=0, size=2)
+    window = Window(torch.device("cpu"), step=0)
+    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(2.0))
+    window.add_accuracy(torch.eye(4)[[0, 1, 2, 3]], torch.tensor([0, 1, 2, 0]))  # 3 of 4 right
+    totals = window.close(step=1, world=two)
+    assert totals["loss"] == pytest.approx((10.0 + 30.0) / (10 * 2))
+    assert totals["accuracy"] == pytest.approx((3 + 7) / (4 * 2))
+    other_rank["loss"] = math.nan
+    window.add(torch.tensor(1.0), samples=10, grad_norm=None)
+    with pytest.raises(Diverged, match="step 2: the loss is not finite"):
+        window.close(step=2, world=two)
+
+
+def test_a_non_finite_gradient_norm_stops_even_when_the_loss_is_finite():
+    """An overflowing gradient with a finite loss: the norm's own check stops the run."""
+    window = Window(torch.device("cpu"), step=0)
+    window.add(torch.tensor(1.0), samples=10, grad_norm=torch.tensor(math.inf))
+    with pytest.raises(Diverged, match="step 1: the gradient norm is not finite"):
+        window.close(step=1, world=ONE)
 
 
 def rows_in(run_dir) -> list[int]:
@@ -31,10 +153,10 @@ def rows_in(run_dir) -> list[int]:
     )
 
 
-def test_a_windows_row_is_on_disk_before_the_checkpoint_of_its_step(trainer_with, monkeypatch):
+def test_a_windows_row_is_on_disk_before_the_checkpoint_of_its_step(trainer_for, monkeypatch):
     """A row is written once the next step is queued, except at a checkpoint's step: a resume
     keeps the rows up to its checkpoint, so a kill before the next step must not lose it."""
-    trainer = trainer_with(
+    trainer = trainer_for(
         "trainer.max_steps=12", "trainer.log_every=2", "trainer.checkpoint_every=4"
     )
     seen, write = {}, Checkpointer.write
@@ -48,8 +170,8 @@ def test_a_windows_row_is_on_disk_before_the_checkpoint_of_its_step(trainer_with
     assert seen == {4: [2, 4], 8: [2, 4, 6, 8], 12: [2, 4, 6, 8, 10, 12]}
 
 
-def test_a_step_that_fails_after_a_window_keeps_that_windows_row(trainer_with):
-    trainer = trainer_with(
+def test_a_step_that_fails_after_a_window_keeps_that_windows_row(trainer_for):
+    trainer = trainer_for(
         "trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=0"
     )
     step = trainer.step
@@ -65,8 +187,8 @@ def test_a_step_that_fails_after_a_window_keeps_that_windows_row(trainer_with):
     assert rows_in(trainer.run_dir) == [5]
 
 
-def test_a_row_whose_write_fails_is_not_written_again(trainer_with, monkeypatch):
-    trainer = trainer_with(
+def test_a_row_whose_write_fails_is_not_written_again(trainer_for, monkeypatch):
+    trainer = trainer_for(
         "trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=0"
     )
     calls = []

@@ -916,7 +916,7 @@ def run_name() -> str:
     if given:
         return given
     world = World.from_env()
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    run_id = world.run_id or "none"  # torchrun's own default is "none" too
     if world.size > world.local_size and run_id != "none":
         return f"run-{run_id}"
     parent = os.getppid() if world.launched else os.getpid()

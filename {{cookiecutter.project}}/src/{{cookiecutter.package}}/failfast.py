@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package }} import probe
 from {{ cookiecutter.package }}.nccl import Decision
+from {{ cookiecutter.package }}.world import World
 
 GATE_PHASE = "the gate right after init_process_group"  # the first collective: the transport's test
 STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL has not
@@ -194,7 +194,7 @@ def as_collective_failure(err: BaseException, phase: str, backend: str) -> Colle
 
 def claim_report(run_dir: Path) -> bool:
     """True for the first process of this launch to fail: only it prints the full block."""
-    marker = run_dir / "nccl" / f"failure-reported-{probe.attempt_id()}"  # one per launch
+    marker = run_dir / "nccl" / f"failure-reported-{World.from_env().attempt}"  # one per launch
     marker.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -250,17 +250,27 @@ def auto_choices(facts: NodeFacts) -> list[AutoChoice]:
     return [*p2p_choices(facts), ib_choice(facts)]
 
 
-def flight_recorder_env(
-    trace_prefix: str, buffer_var: str = "TORCH_FR_BUFFER_SIZE"
-) -> dict[str, str]:
+def flight_recorder_env(trace_prefix: str, torch_version: str) -> dict[str, str]:
     """Flight-recorder defaults: each rank keeps its last collectives and dumps them to
     trace_prefix<rank> when one times out. PyTorch before 2.11 names the buffer
     TORCH_NCCL_TRACE_BUFFER_SIZE."""
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    buffer_var = (
+        "TORCH_FR_BUFFER_SIZE" if major_minor >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    )
     return {
         buffer_var: "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace_prefix,
     }
+
+
+def explicit_settings(async_error_handling: int | None) -> dict[str, tuple[str, str]]:
+    """Settings of the dist group that become NCCL-side variables, for decide()'s `explicit`."""
+    if async_error_handling is None:
+        return {}
+    value = (str(async_error_handling), "config dist.async_error_handling")
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}
 
 
 def decide(

@@ -224,12 +224,6 @@ def probe_node(
     )
 
 
-def attempt_id() -> str:
-    """Names this launch and restart, the same in every worker of it: torchrun's run id and
-    restart count (under plain python, "local-0")."""
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 def shared_node_facts(
     run_dir: Path,
     local_rank: int,
@@ -237,7 +231,7 @@ def shared_node_facts(
     wait_s: float = PUBLISH_WAIT_S,
 ) -> NodeFacts:
     """Local rank 0 probes and publishes atomically; the other local ranks wait and read."""
-    path = run_dir / "nccl" / f"probe-{socket.gethostname()}-{attempt_id()}.json"
+    path = run_dir / "nccl" / f"probe-{socket.gethostname()}-{World.from_env().attempt}.json"
     if local_rank == 0:
         facts = probe()
         path.parent.mkdir(parents=True, exist_ok=True)

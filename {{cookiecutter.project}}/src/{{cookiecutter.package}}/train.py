@@ -45,24 +45,14 @@ log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
 
 
-def flight_recorder_buffer_var() -> str:
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return "TORCH_FR_BUFFER_SIZE" if version >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
-
-
 def apply_nccl_env(cfg: TrainConfig, world: World, profile: str, run_dir: Path) -> nccl.Decision:
     """NCCL reads its variables once, when the first communicator is made: write them first."""
     facts = (
         probe.shared_node_facts(run_dir, world.local_rank) if cfg.nccl.auto else probe.basic_facts()
     )
     (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
-    recorder = nccl.flight_recorder_env(
-        str(run_dir / "nccl" / "trace_rank_"), flight_recorder_buffer_var()
-    )
-    explicit = {}
-    if cfg.dist.async_error_handling is not None:
-        value = str(cfg.dist.async_error_handling)
-        explicit["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = (value, "config dist.async_error_handling")
+    recorder = nccl.flight_recorder_env(str(run_dir / "nccl" / "trace_rank_"), torch.__version__)
+    explicit = nccl.explicit_settings(cfg.dist.async_error_handling)
     decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
     cuda = uses_cuda(cfg.dist.backend)
     shm_problem = nccl.shm_error(facts, decision.env) if cuda else None
