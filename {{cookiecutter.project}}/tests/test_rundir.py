@@ -451,3 +451,18 @@ def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
         rundir.guard(tmp_path / "run", None, rundir.Place.run(tmp_path / "run"))
     assert stop.value.code == 2
     assert "its lock file .lock cannot be opened (Is a directory)" in capsys.readouterr().err
+
+
+def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marked_fields():
+    """Marked in config.py (field metadata), read by rundir and evaluate: no list beside it."""
+    from {{ cookiecutter.package }} import evaluate, rundir
+
+    assert sorted(rundir.RESUME_MAY_CHANGE) == [
+        "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",
+        "dist.backend", "dist.bucket_cap_mb", "dist.checkpoint_timeout_s", "dist.gate_timeout_s",
+        "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "dist.timeout_s", "logger.",
+        "nccl.", "trainer.accept_changes", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+        "trainer.log_every", "trainer.max_steps", "trainer.on_nonfinite",
+    ]  # fmt: skip
+    adjustable = evaluate.ADJUSTABLE
+    assert adjustable == ("data.batch_size", "data.num_workers", "data.pin_memory", "dist.backend")

@@ -63,6 +63,13 @@ class NcclDebug(Enum):
 # their types and checks. MISSING: a value the YAML must give.
 
 
+# Marks on schema fields (their metadata) that rundir and evaluate read through marked_keys().
+# FREE_ON_RESUME: how a run goes, not what it computes, so a resume may change it.
+# EVALUATE_SETS: evaluate may set it; the checkpoint's config decides the rest.
+FREE_ON_RESUME = {"free_on_resume": True}
+EVALUATE_SETS = {"evaluate_sets": True}
+
+
 @dataclass
 class MlpConfig:
     """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
@@ -97,10 +104,10 @@ class DataConfig:
     """What every data option has: how many samples, and how they reach the GPU."""
 
     num_samples: int = MISSING
-    batch_size: int = MISSING
-    num_workers: int = MISSING
-    pin_memory: bool = MISSING
-    on_device: bool = MISSING
+    batch_size: int = field(default=MISSING, metadata=EVALUATE_SETS)
+    num_workers: int = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    pin_memory: bool = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    on_device: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
 
     def __post_init__(self) -> None:
         require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
@@ -359,21 +366,21 @@ def finite(value: float) -> bool:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = MISSING
+    max_steps: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     lr: float = MISSING
     warmup_steps: int = MISSING
     weight_decay: float = MISSING
     max_grad_norm: Optional[float] = MISSING
-    on_nonfinite: OnNonFinite = MISSING
-    log_every: int = MISSING
+    on_nonfinite: OnNonFinite = field(default=MISSING, metadata=FREE_ON_RESUME)
+    log_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     seed: int = MISSING
     precision: Precision = MISSING
-    checkpoint_every: int = MISSING
-    keep_checkpoints: int = MISSING
+    checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     grad_accumulation: int = MISSING
     fused_optimizer: bool = MISSING
     compile: bool = MISSING
-    accept_changes: List[str] = MISSING
+    accept_changes: List[str] = field(default=MISSING, metadata=FREE_ON_RESUME)
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
@@ -432,16 +439,16 @@ class CommHook(Enum):
 
 @dataclass
 class DistConfig:
-    backend: Backend = MISSING
-    timeout_s: int = MISSING
-    gate_timeout_s: int = MISSING
-    checkpoint_timeout_s: int = MISSING
-    async_error_handling: Optional[int] = MISSING
-    bucket_cap_mb: int = MISSING
-    gradient_as_bucket_view: bool = MISSING
-    static_graph: bool = MISSING
+    backend: Backend = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    gate_timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    checkpoint_timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    async_error_handling: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
+    bucket_cap_mb: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    gradient_as_bucket_view: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    static_graph: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     comm_hook: CommHook = MISSING
-    time_comm: bool = MISSING
+    time_comm: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
 
     def __post_init__(self) -> None:
         for key in ("timeout_s", "gate_timeout_s", "checkpoint_timeout_s"):
@@ -566,11 +573,30 @@ class DeployConfig:
 class TrainConfig:
     model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
     data: Any = MISSING  # PointsConfig or TokensConfig, likewise
-    logger: LoggersConfig = MISSING  # each option of the logger group sets one of its keys
+    # each option of the logger group sets one of its keys
+    logger: LoggersConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
     trainer: TrainerConfig = MISSING
     dist: DistConfig = MISSING
-    nccl: NcclConfig = MISSING
-    deploy: DeployConfig = MISSING
+    nccl: NcclConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+    deploy: DeployConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+
+
+SCHEMAS = {"trainer": TrainerConfig, "dist": DistConfig}  # the groups with one schema each
+
+
+def marked_keys(mark: dict[str, bool]) -> tuple[str, ...]:
+    """The keys whose schema field carries `mark`, in schema order; a marked group as "group."
+    (every key under it). The data group's keys are DataConfig's, which every data option has."""
+    (name,) = mark
+    keys: list[str] = []
+    for group in fields(TrainConfig):
+        if group.metadata.get(name):
+            keys.append(f"{group.name}.")
+            continue
+        schema = {"data": DataConfig}.get(group.name, SCHEMAS.get(group.name))
+        if schema:
+            keys += [f"{group.name}.{f.name}" for f in fields(schema) if f.metadata.get(name)]
+    return tuple(keys)
 
 
 def uses_cuda(backend: Backend) -> bool:

@@ -29,10 +29,12 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from {{ cookiecutter.package }} import checkpoint
 from {{ cookiecutter.package }}.config import (
+    EVALUATE_SETS,
     ConfigError,
     TokensConfig,
     TrainConfig,
     from_saved,
+    marked_keys,
     require,
     uses_cuda,
 )
@@ -43,7 +45,7 @@ from {{ cookiecutter.package }}.trainer import AUTOCAST
 from {{ cookiecutter.package }}.world import World
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.
-ADJUSTABLE = ("data.batch_size", "data.num_workers", "data.pin_memory", "dist.backend")
+ADJUSTABLE = marked_keys(EVALUATE_SETS)  # the rest comes from the checkpoint's config
 NEEDED = ("step", "model", "config")  # what scoring reads from a checkpoint
 ZIP = b"PK\x03\x04"  # torch.save's format: a zip archive
 USAGE = "write ckpt=<file|run dir|latest> or key=value"

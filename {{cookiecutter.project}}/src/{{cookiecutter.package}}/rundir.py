@@ -26,20 +26,21 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }}.config import ConfigError, TrainConfig, exit_with_error, typed
+from {{ cookiecutter.package }}.config import (
+    FREE_ON_RESUME,
+    ConfigError,
+    TrainConfig,
+    exit_with_error,
+    marked_keys,
+    typed,
+)
 from {{ cookiecutter.package }}.world import World
 
 LOCK = ".lock"
 # A holder on another host (a pod on its way out while its replacement starts) gets this long.
 REMOTE_HOLDER_WAIT_S = 120
-# Keys that do not change what a run computes: a resume may change them freely.
-FREE_ON_RESUME = (
-    "trainer.max_steps", "trainer.log_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
-    "trainer.on_nonfinite", "trainer.accept_changes", "data.num_workers", "data.pin_memory",
-    "data.on_device", "dist.backend", "dist.timeout_s", "dist.gate_timeout_s",
-    "dist.checkpoint_timeout_s", "dist.async_error_handling", "dist.bucket_cap_mb",
-    "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "nccl.", "deploy.", "logger.",
-)  # fmt: skip
+# Keys (and "group." prefixes) a resume may change: marked FREE_ON_RESUME in the schema.
+RESUME_MAY_CHANGE = marked_keys(FREE_ON_RESUME)
 _held: dict[Path, int] = {}  # run dir -> the open lock file, for the life of this process
 
 
@@ -190,7 +191,7 @@ def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[
         (key, before.get(key, "(absent)"), now.get(key, "(absent)"))
         for key in sorted(before.keys() | now.keys())
         if before.get(key) != now.get(key)
-        and not key.startswith(FREE_ON_RESUME)
+        and not key.startswith(RESUME_MAY_CHANGE)
         and not any(key == name or key.startswith(f"{name}.") for name in accepted)
     ]
 
