@@ -385,7 +385,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
-        return 0
+        return Exit.OK
     problem = unwritable(args.json)
     if problem:
         parser.exit(
@@ -401,7 +401,7 @@ def main() -> int:
         return Exit.FAILED
     except KeyboardInterrupt:
         print("bench: stopped by Ctrl-C; nothing was measured to the end", file=sys.stderr)
-        return 130
+        return Exit.INTERRUPTED
     print(render(report))
     try:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -409,7 +409,7 @@ def main() -> int:
         print(f"bench: could not write {args.json}: {err.strerror or err}", file=sys.stderr)
         return Exit.FAILED
     print(f"\nfigures: {args.json}")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

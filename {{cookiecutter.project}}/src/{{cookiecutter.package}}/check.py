@@ -206,7 +206,7 @@ def main() -> int:
         print(f"config error: {problem}", file=sys.stderr)
         return Exit.CONFIG_ERROR
     print("config ok")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

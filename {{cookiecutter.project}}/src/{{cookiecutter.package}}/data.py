@@ -252,9 +252,9 @@ def main() -> int:
         return Exit.FAILED
     except KeyboardInterrupt:
         print(f"interrupted; {args.out} not written", file=sys.stderr)
-        return 130
+        return Exit.INTERRUPTED
     print(f"wrote {count} tokens (bytes; data.vocab_size >= 256) to {args.out}")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

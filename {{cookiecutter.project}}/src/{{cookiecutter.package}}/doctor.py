@@ -312,7 +312,7 @@ class Parser(argparse.ArgumentParser):
     """A bad argument is one line, without the usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+        self.exit(Exit.CONFIG_ERROR, f"{self.prog}: {message}\n")
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -359,7 +359,7 @@ def main() -> int:
     try:
         report = diagnose(args.profiles, args.nproc, args.timeout_s)
     except Refused as err:
-        parser.exit(2, f"{parser.prog}: {err}\n")
+        parser.exit(Exit.CONFIG_ERROR, f"{parser.prog}: {err}\n")
     print(json.dumps(report, indent=2) if args.json else render(report))
     return Exit.OK if report["ok"] else Exit.FAILED
 

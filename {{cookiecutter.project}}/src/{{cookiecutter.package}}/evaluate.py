@@ -287,9 +287,9 @@ def main() -> int:
         if world.local_rank == 0:
             print("evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
                   file=sys.stderr)  # fmt: skip
-        return 130
+        return Exit.INTERRUPTED
     if not world.main:
-        return 0
+        return Exit.OK
     score = (f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
              f"{result['held_out_predictions']} held-out predictions")  # fmt: skip
     out = result_path(path)
@@ -301,7 +301,7 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         return Exit.FAILED
     print(f"{score} -> {out}")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

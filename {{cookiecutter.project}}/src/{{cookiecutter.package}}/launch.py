@@ -338,8 +338,8 @@ def of_value(run_dir: Path) -> bool:
 
 
 # Exits that follow from another process's failure: a collective that failed because its peer
-# ended (3), and torchrun's own SIGTERM to the survivors.
-CONSEQUENCES = {3, 128 + signal.SIGTERM, -signal.SIGTERM}
+# ended, and torchrun's own SIGTERM to the survivors.
+CONSEQUENCES = {Exit.COLLECTIVE_FAILED, Exit.PREEMPTED, -signal.SIGTERM}
 
 
 def summary(err: ChildFailedError, memory: MemoryWatch | None = None) -> tuple[str, int]:
@@ -350,7 +350,7 @@ def summary(err: ChildFailedError, memory: MemoryWatch | None = None) -> tuple[s
     )
     if all(f.exitcode in STOPPED for f in err.failures.values()):  # they were signalled, not us
         name = signal.Signals(abs(failure.exitcode) % 128).name
-        return f"stopped by {name}", 128 + abs(failure.exitcode) % 128
+        return f"stopped by {name}", for_signal(abs(failure.exitcode) % 128)
     if failure.exitcode < 0:
         if failure.exitcode == -signal.SIGKILL and memory is not None:
             said = memory.verdict(rank, failure.pid)
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Stopped) as err:  # a stop before the run dir is known
         name = err.sigval.name if isinstance(err, Stopped) else "SIGINT"
         print(f"{COMMAND} train: stopped by {name}", file=sys.stderr, flush=True)
-        return 128 + signal.Signals[name]
+        return for_signal(signal.Signals[name])
 
 
 def launch(args: list[str]) -> int:
@@ -585,7 +585,7 @@ def launch(args: list[str]) -> int:
         return Exit.CONFIG_ERROR if args[:1] not in (["-h"], ["--help"]) else Exit.OK
     if args[1:2] in (["-h"], ["--help"]):
         print(__doc__)
-        return 0
+        return Exit.OK
     parser = get_args_parser()
     parser.error = parse_error  # type: ignore[method-assign]
     try:
@@ -666,9 +666,9 @@ def launch(args: list[str]) -> int:
             except (SignalException, Stopped, KeyboardInterrupt) as err:
                 name = "SIGINT" if isinstance(err, KeyboardInterrupt) else err.sigval.name
                 say(f": {stopped(name)}")
-                return 128 + signal.Signals[name]
+                return for_signal(signal.Signals[name])
             else:
-                return 0
+                return Exit.OK
 
 
 if __name__ == "__main__":

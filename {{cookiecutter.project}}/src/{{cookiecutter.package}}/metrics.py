@@ -313,7 +313,7 @@ def main() -> int:
         print(f"{run_dir}: nothing to draw: metrics.csv has fewer than 2 rows", file=sys.stderr)
         return Exit.CONFIG_ERROR
     print(path)
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

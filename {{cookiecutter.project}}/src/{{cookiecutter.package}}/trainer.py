@@ -191,6 +191,13 @@ class Trainer:
         )
         self.window = Window(self.device, self.progress.step)
         row = None  # a closed window's, written once the next step is queued on the GPU
+
+        def write_row() -> None:
+            nonlocal row
+            if row is not None:
+                pending, row = row, None  # a write that fails is not tried again
+                record.write(pending)
+
         first = True
         with record:  # on an error or a stop too: the bar stops and the files close
             try:
@@ -200,9 +207,7 @@ class Trainer:
                     started = time.perf_counter()
                     with preemption.signals.undeferred() if first else nullcontext():
                         self.step([next(batches) for _ in range(accumulation)], log_now)
-                    if row is not None:  # the file and logger work overlaps this step on the GPU
-                        pending, row = row, None
-                        record.write(pending)
+                    write_row()  # the file and logger work overlaps this step on the GPU
                     if first and self.compiled:
                         self.report_compile(started)
                     first = False
@@ -213,18 +218,14 @@ class Trainer:
                         row = self.log_row(step)
                         # A resume keeps the rows up to its checkpoint: this one goes first.
                         if self.checkpointer.due(step, last_step=step == max_steps):
-                            pending, row = row, None
-                            record.write(pending)
+                            write_row()
                     self.checkpointer.save(step, last_step=step == max_steps)
                     if self.checkpointer.preempted:
-                        if row is not None:
-                            pending, row = row, None
-                            record.write(pending)
+                        write_row()
                         self.report_stop(step)
                         return True
             finally:
-                if row is not None:  # the step after it failed: the window's figures stand
-                    record.write(row)
+                write_row()  # the step after it failed: the window's figures stand
         return False
 
     def report_compile(self, started: float) -> None:

@@ -76,7 +76,7 @@ def main() -> int:
             found = sync.differences(rendered, args.out)
             if not found:
                 print(f"{args.out}/ matches configs/ ({', '.join(rendered)})")
-                return 0
+                return Exit.OK
             sys.stdout.writelines(sync.unified_diff(rendered, args.out))
             print(f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
                   file=sys.stderr)  # fmt: skip
@@ -106,7 +106,7 @@ def main() -> int:
     print(f"wrote {', '.join(str(args.out / file) for file in rendered)}")
     for note in render.notes(deploy):
         print(note)
-    return 0
+    return Exit.OK
 
 
 def run() -> int:
@@ -115,7 +115,7 @@ def run() -> int:
     except KeyboardInterrupt:  # configs/ and k8s/ are each replaced at once: old or new, never half
         print(f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says whether "
               "k8s/ matches configs/", file=sys.stderr)  # fmt: skip
-        return 130
+        return Exit.INTERRUPTED
 
 
 if __name__ == "__main__":

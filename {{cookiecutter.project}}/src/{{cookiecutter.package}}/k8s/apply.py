@@ -115,8 +115,8 @@ def main(folder: Path = Path("k8s")) -> int:
     except KeyboardInterrupt:  # the old job may be gone already: say what is left to do
         print(f"make k8s-apply: stopped by SIGINT; {folder}/ is not applied: run make k8s-apply again",
               file=sys.stderr)  # fmt: skip
-        return 130
-    return 0
+        return Exit.INTERRUPTED
+    return Exit.OK
 
 
 if __name__ == "__main__":
