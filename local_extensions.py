@@ -36,12 +36,6 @@ def toml_str(value: object) -> str:
 
 
 @simple_filter
-def py_str(value: object) -> str:
-    """A Python string literal."""
-    return quoted(value)
-
-
-@simple_filter
 def md_text(value: object) -> str:
     """Text that Markdown shows as typed: no emphasis, links, headings or HTML."""
     return MARKDOWN_SPECIAL.sub(r"\\\1", str(value))

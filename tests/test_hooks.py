@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import DEFAULTS, TEMPLATE, cookiecutter_cli, env_with_path, install, render
+from conftest import BIN, DEFAULTS, TEMPLATE, cookiecutter_cli, env_with_path, install, render
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(TEMPLATE / "hooks"))
@@ -241,7 +241,14 @@ def test_image_and_python_version_at_their_limits_render_as_typed(tmp_path):
     assert read_back(project)["job_image"] == image
     assert (project / "Dockerfile").read_text().count(f"FROM {image}") == 1
     meta = tomllib.loads((project / "pyproject.toml").read_text())
-    assert meta["project"]["requires-python"] == ">=3.13" and meta["tool"]["ruff"]["target-version"] == "py313"
+    assert meta["project"]["requires-python"] == ">=3.13"
+    settings = subprocess.run(  # ruff.toml names no version: ruff reads it from requires-python
+        [BIN / "ruff", "check", "--no-cache", "--show-settings", "tests/conftest.py"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+    )
+    assert re.search(r"linter\.unresolved_target_version = 3\.13\n", settings.stdout), settings.stdout + settings.stderr
 
 
 @pytest.mark.timeout(600)

@@ -36,6 +36,7 @@ EXPECTED_FILES = {
     "README.md",
     "Makefile",
     "pyproject.toml",
+    "ruff.toml",
     ".pre-commit-config.yaml",
     ".yamllint",
     ".github/workflows/ci.yml",

@@ -1,6 +1,8 @@
 """The template's own code meets the bar it sets for generated projects."""
 
+import ast
 import subprocess
+from pathlib import Path
 
 from conftest import BIN, TEMPLATE
 
@@ -14,13 +16,68 @@ OWN_CODE = [
     "benchmarks/peer",
     "local_extensions.py",
     "new-project",
+    "{{cookiecutter.project}}",  # unrendered, under its own ruff.toml: the project's settings
 ]
+PROJECT_SOURCES = TEMPLATE / "{{cookiecutter.project}}"
+PACKAGE_SOURCES = PROJECT_SOURCES / "src" / "{{cookiecutter.package}}"
 
 
 def test_own_python_is_ruff_clean():
     for command in (["check"], ["format", "--check"]):
-        done = subprocess.run([BIN / "ruff", *command, *OWN_CODE], cwd=TEMPLATE, capture_output=True, text=True)
+        # No cache: ruff would leave .ruff_cache/ in the template folder, and every render would copy it.
+        done = subprocess.run(
+            [BIN / "ruff", *command, "--no-cache", *OWN_CODE], cwd=TEMPLATE, capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_python_source_of_the_template_parses_before_rendering():
+    """Jinja only in strings, docstrings and comments: ruff and an editor read the sources as they are."""
+    sources = [*PROJECT_SOURCES.rglob("*.py"), TEMPLATE / "hooks" / "post_gen_project.py"]
+    assert len(sources) > 50
+    for source in sources:
+        ast.parse(source.read_text(), str(source))
+
+
+def imports_of(module: str, source: Path, modules: set[str]) -> set[str]:
+    """The package's own modules that `source` (the module `module`) imports, relatively."""
+    package = module.split(".") if source.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:
+                named = f"{base}.{alias.name}".strip(".")
+                found.add(named if named in modules else base)
+    return found - {module}
+
+
+def module_name(source: Path) -> str:
+    parts = source.relative_to(PACKAGE_SOURCES).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_package_has_no_import_cycle():
+    sources = {module_name(source): source for source in PACKAGE_SOURCES.rglob("*.py")}
+    graph = {module: imports_of(module, source, set(sources)) for module, source in sources.items()}
+    assert graph["train"] >= {"config", "trainer", "world"}  # the walk sees relative imports
+
+    finished: set[str] = set()
+
+    def cycle_from(module: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        """Depth first; a module met again on the path closes a cycle."""
+        if module in path:
+            return path[path.index(module) :] + (module,)
+        if module in finished:
+            return None
+        for imported in sorted(graph[module]):
+            if found := cycle_from(imported, (*path, module)):
+                return found
+        finished.add(module)
+        return None
+
+    for module in sorted(graph):
+        assert (cycle := cycle_from(module, ())) is None, " -> ".join(cycle)
 
 
 def test_ci_runs_the_readme_test_command():

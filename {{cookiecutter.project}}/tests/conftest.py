@@ -15,9 +15,9 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 
-from {{ cookiecutter.package }}.config import register_configs
+from ddp_project.config import register_configs
 
-PACKAGE = "{{ cookiecutter.package }}"
+PACKAGE = "ddp_project"
 ROOT = Path(__file__).resolve().parents[1]
 RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
 
@@ -62,7 +62,7 @@ def launcher_state(monkeypatch):
 
 def no_torchrun(monkeypatch) -> None:
     """launch.main() in this process stops before torchrun, or the test fails."""
-    from {{ cookiecutter.package }} import launch
+    from ddp_project import launch
 
     monkeypatch.setattr(launch, "run", lambda parsed: pytest.fail("torchrun was started"))
 
@@ -147,7 +147,7 @@ def launcher_bin() -> Path:
     """A folder holding `<project>`, the console script that `pip install` makes, for launch
     lines (the manifests') run from this test environment, where the project may be on
     PYTHONPATH only."""
-    from {{ cookiecutter.package }}.launch import COMMAND
+    from ddp_project.launch import COMMAND
 
     folder = Path(tempfile.mkdtemp(prefix="launcher-bin-"))
     script = folder / COMMAND

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import PACKAGE
 
-from {{ cookiecutter.package }}.check import config_problem
+from ddp_project.check import config_problem
 
 BAD = [
     ("nccl.p2p_disable=maybe", "nccl.p2p_disable: Value 'maybe' is not a valid bool"),
@@ -213,8 +213,8 @@ NCCL_FORMS = [
 
 @pytest.mark.parametrize(("overrides", "env"), NCCL_FORMS, ids=[o for o, _ in NCCL_FORMS])
 def test_nccl_values_work_as_nccl_writes_them(overrides, env):
-    from {{ cookiecutter.package }} import nccl
-    from {{ cookiecutter.package }}.check import load_config
+    from ddp_project import nccl
+    from ddp_project.check import load_config
 
     config = load_config(["nccl=nccl_default", *overrides.split()])
     assert nccl.decide(config.nccl, None, inherited={}).env == env
@@ -271,8 +271,8 @@ NOT_YAML = [
 def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
-    from {{ cookiecutter.package }}.check import describe, load_config
-    from {{ cookiecutter.package }}.config import ConfigError
+    from ddp_project.check import describe, load_config
+    from ddp_project.config import ConfigError
 
     (configs_copy / "local" / "default.yaml").write_bytes(text)
     with pytest.raises(ConfigError) as failure:
@@ -284,7 +284,7 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
 def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):
     """config.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
     against OmegaConf's own loader on every file the project ships and on each refused above."""
-    from {{ cookiecutter.package }}.config import hydras_yaml_loaders
+    from ddp_project.config import hydras_yaml_loaders
 
     fast, exact = hydras_yaml_loaders()
     assert fast is not exact  # PyYAML's wheels carry libyaml
@@ -299,8 +299,8 @@ def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuse
 
 
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
-    from {{ cookiecutter.package }}.check import load_config
-    from {{ cookiecutter.package }}.config import ConfigError
+    from ddp_project.check import load_config
+    from ddp_project.config import ConfigError
 
     (configs_copy / "local" / "default.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):
@@ -311,7 +311,7 @@ def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
     configs_copy, monkeypatch, capsys
 ):
     """train's command line (config.hydra_argv) reads configs/ before Hydra does."""
-    from {{ cookiecutter.package }} import config
+    from ddp_project import config
 
     (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
     monkeypatch.setattr(config, "configs_folder", lambda: configs_copy)
@@ -345,7 +345,7 @@ def test_k8s_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
 )
 def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
     """--nproc-per-node checks a node of that many: its shards too, not only its GPUs."""
-    from {{ cookiecutter.package }}.check import main
+    from ddp_project.check import main
 
     monkeypatch.setenv("WORLD_SIZE", "1")  # main sets both; monkeypatch puts them back
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -358,7 +358,7 @@ def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
 
 @pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start", "on_job_start"])
 def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys, hook):
-    from {{ cookiecutter.package }}.check import ConfigCheck
+    from ddp_project.check import ConfigCheck
 
     with pytest.raises(SystemExit) as stopped:
         bad = compose_train("trainer.max_steps=-1")

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged, Progress
-from {{ cookiecutter.package }}.world import World
+from ddp_project import checkpoint
+from ddp_project.checkpoint import Checkpointer, Diverged, Progress
+from ddp_project.world import World
 
 ONE = World()
 

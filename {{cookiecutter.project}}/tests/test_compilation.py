@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import compilation
-from {{ cookiecutter.package }}.trainer import Trainer
-from {{ cookiecutter.package }}.world import World
+from ddp_project import compilation
+from ddp_project.trainer import Trainer
+from ddp_project.world import World
 
 
 @pytest.fixture

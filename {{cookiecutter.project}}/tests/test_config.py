@@ -7,8 +7,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.config import (
+from ddp_project import nccl
+from ddp_project.config import (
     Backend,
     ConfigError,
     TrainConfig,
@@ -30,7 +30,7 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
 
     import yaml
 
-    from {{ cookiecutter.package }} import config as schemas
+    from ddp_project import config as schemas
 
     config = OmegaConf.to_object(compose_train())
     assert isinstance(config, TrainConfig)
@@ -39,7 +39,7 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     )
     # Where Hydra finds them (pkg://): beside config.py when installed, the project's configs/
     # in an editable install.
-    configs = files("{{ cookiecutter.package }}.configs")
+    configs = files("ddp_project.configs")
     for group, option in [
         ("model", "mlp"),
         ("data", "synthetic"),
@@ -88,7 +88,7 @@ def test_overrides_reach_the_config(compose_train):
 def test_bad_override_fails_at_compose_in_one_line_that_starts_with_the_key(
     compose_train, override, key
 ):
-    from {{ cookiecutter.package }}.check import describe
+    from ddp_project.check import describe
 
     with pytest.raises(ConfigCompositionException) as failure:
         compose_train(override)
@@ -139,11 +139,11 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from {{ cookiecutter.package }}.config import register_configs
+    from ddp_project.config import register_configs
 
     register_configs()
     configs = tmp_path / "configs"
-    shutil.copytree(str(files("{{ cookiecutter.package }}.configs")), configs)
+    shutil.copytree(str(files("ddp_project.configs")), configs)
     (configs / "local").mkdir(exist_ok=True)  # an install without local files has no folder
     (configs / "local" / "default.yaml").write_text(
         "# @package _global_\ntrainer:\n  max_steps: 7\ndata:\n  batch_size: 512\n"
@@ -160,7 +160,7 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
 def test_nccl_overrides_are_rewritten_once_and_only_theirs():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from {{ cookiecutter.package }}.config import hydra_overrides
+    from ddp_project.config import hydra_overrides
 
     given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
              "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
@@ -183,7 +183,7 @@ def test_configs_are_found_where_the_configs_package_is_not_beside_config_py(mon
     (the Quick start's make test failed on that); config.py's place must not matter."""
     from pathlib import Path
 
-    from {{ cookiecutter.package }} import config, configs
+    from ddp_project import config, configs
 
     package = Path(configs.__file__).parent
     monkeypatch.setattr(config, "__file__", "/nowhere/config.py")

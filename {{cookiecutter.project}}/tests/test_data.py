@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import PACKAGE
 
-from {{ cookiecutter.package }} import config
-from {{ cookiecutter.package }}.check import config_problem, load_config
-from {{ cookiecutter.package }}.config import ConfigError, check_data
-from {{ cookiecutter.package }}.data import prepare
-from {{ cookiecutter.package }}.world import World
+from ddp_project import config
+from ddp_project.check import config_problem, load_config
+from ddp_project.config import ConfigError, check_data
+from ddp_project.data import prepare
+from ddp_project.world import World
 
 GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
 
@@ -172,7 +172,7 @@ def test_from_saved_passes_held_out_to_the_data_check():
 
 
 def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):
-    from {{ cookiecutter.package }} import data
+    from ddp_project import data
 
     monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
     text = tmp_path / "t.txt"
@@ -214,7 +214,7 @@ def test_an_interrupted_prepare_leaves_no_token_file(tmp_path, monkeypatch):
 def test_the_data_command_refuses_bad_arguments_in_one_line(
     tmp_path, monkeypatch, capsys, text, out, message
 ):
-    from {{ cookiecutter.package }} import data
+    from ddp_project import data
 
     (tmp_path / "t.txt").write_text("text")
     (tmp_path / "empty.txt").write_text("")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import PACKAGE
 
-from {{ cookiecutter.package }} import allreduce, doctor, probe
+from ddp_project import allreduce, doctor, probe
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ E1201 05:23:11.804000 7771 torch/distributed/elastic/multiprocessing/api.py:1002
 Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-{{ cookiecutter.package }}.allreduce FAILED
+ddp_project.allreduce FAILED
 ------------------------------------------------------------
 Failures:
 [1]:

@@ -15,18 +15,18 @@ from conftest import PACKAGE, read_metrics, shared_folder, train_command
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import check
-from {{ cookiecutter.package }} import evaluate as evaluate_module
-from {{ cookiecutter.package }}.config import (
+from ddp_project import check
+from ddp_project import evaluate as evaluate_module
+from ddp_project.config import (
     HELD_OUT,
     ConfigError,
     TrainConfig,
     register_configs,
 )
-from {{ cookiecutter.package }}.data import TokenFile, build_dataset, prepare
-from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.trainer import Trainer
-from {{ cookiecutter.package }}.world import World
+from ddp_project.data import TokenFile, build_dataset, prepare
+from ddp_project.model import build_model
+from ddp_project.trainer import Trainer
+from ddp_project.world import World
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 

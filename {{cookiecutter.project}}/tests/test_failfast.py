@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from conftest import PACKAGE, hang_one_rank
 
-from {{ cookiecutter.package }} import failfast, nccl
-from {{ cookiecutter.package }}.config import NcclConfig
+from ddp_project import failfast, nccl
+from ddp_project.config import NcclConfig
 
 NCCL_TIMEOUT = (
     "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "

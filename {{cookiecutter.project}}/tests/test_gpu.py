@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import PACKAGE, hang_one_rank, read_metrics, torchrun
 
-from {{ cookiecutter.package }} import checkpoint, doctor
-from {{ cookiecutter.package }}.probe import nvidia_smi_topology, nvlink_pairs_from_topo
+from ddp_project import checkpoint, doctor
+from ddp_project.probe import nvidia_smi_topology, nvlink_pairs_from_topo
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,11 +11,11 @@ import yaml
 from conftest import PACKAGE, deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }}.check import config_problem
-from {{ cookiecutter.package }}.config import hydra_overrides
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.k8s import apply, meta, pods, render, sync
-from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
+from ddp_project.check import config_problem
+from ddp_project.config import hydra_overrides
+from ddp_project.exits import Exit
+from ddp_project.k8s import apply, meta, pods, render, sync
+from ddp_project.k8s.flavors import FLAVORS
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [
@@ -222,8 +222,8 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     assert (out / f"{deploy_defaults()['flavor']}.yaml").exists()
     import torch
 
-    from {{ cookiecutter.package }}.check import load_config
-    from {{ cookiecutter.package }}.config import ConfigError
+    from ddp_project.check import load_config
+    from ddp_project.config import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert load_config(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"
@@ -504,8 +504,8 @@ def test_a_write_that_fails_halfway_leaves_every_file_as_it_was(tmp_path, monkey
 
 
 def test_ctrl_c_while_rendering_is_one_line(monkeypatch, capsys):
-    from {{ cookiecutter.package }} import check
-    from {{ cookiecutter.package }}.k8s import __main__ as cli
+    from ddp_project import check
+    from ddp_project.k8s import __main__ as cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -25,8 +25,8 @@ from conftest import (
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
-from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }} import launch as launcher
+from ddp_project import checkpoint
+from ddp_project import launch as launcher
 
 TORCHRUN = get_args_parser()
 

@@ -9,9 +9,9 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, check, failfast, loggers, metrics
-from {{ cookiecutter.package }}.check import config_problem
-from {{ cookiecutter.package }}.config import (
+from ddp_project import PROJECT, check, failfast, loggers, metrics
+from ddp_project.check import config_problem
+from ddp_project.config import (
     ConfigError,
     CsvLoggerConfig,
     LoggersConfig,

@@ -28,12 +28,12 @@ import yaml
 from conftest import deploy_defaults, launcher_bin, read_metrics, trainer_container, worker_pids
 from torch.distributed.run import config_from_args
 
-from {{ cookiecutter.package }} import check, launch
-from {{ cookiecutter.package }}.checkpoint import checkpoint_paths
-from {{ cookiecutter.package }}.k8s import __main__ as cli
-from {{ cookiecutter.package }}.k8s import render
-from {{ cookiecutter.package }}.k8s.pods import nccl_env
-from {{ cookiecutter.package }}.launch import COMMAND
+from ddp_project import check, launch
+from ddp_project.checkpoint import checkpoint_paths
+from ddp_project.k8s import __main__ as cli
+from ddp_project.k8s import render
+from ddp_project.k8s.pods import nccl_env
+from ddp_project.launch import COMMAND
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.config import ConfigError, NcclConfig
-from {{ cookiecutter.package }}.probe import active_ib_ports, nvlink_pairs_from_topo
+from ddp_project import nccl
+from ddp_project.config import ConfigError, NcclConfig
+from ddp_project.probe import active_ib_ports, nvlink_pairs_from_topo
 
 
 def facts(

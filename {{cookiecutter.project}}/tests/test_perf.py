@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from {{ cookiecutter.package }}.model import Gpt, Mlp
-from {{ cookiecutter.package }}.perf import mfu, peak_flops
+from ddp_project.model import Gpt, Mlp
+from ddp_project.perf import mfu, peak_flops
 
 
 def test_a_gpts_flops_per_token_are_nanogpts_count():

@@ -8,9 +8,9 @@ import time
 import pytest
 from conftest import PACKAGE
 
-from {{ cookiecutter.package }} import nccl, probe
-from {{ cookiecutter.package }}.config import NcclConfig
-from {{ cookiecutter.package }}.world import World
+from ddp_project import nccl, probe
+from ddp_project.config import NcclConfig
+from ddp_project.world import World
 
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -9,12 +9,12 @@ import yaml
 from conftest import deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.k8s import render, sync
-from {{ cookiecutter.package }}.k8s.pods import nccl_env
+from ddp_project import nccl
+from ddp_project.k8s import render, sync
+from ddp_project.k8s.pods import nccl_env
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "{{ cookiecutter.package }}"
+PACKAGE = "ddp_project"
 FLAVOR = deploy_defaults()["flavor"]
 # What k8s/ holds for 2 nodes, by flavor: a Job needs a headless Service for its pods' names
 # (a JobSet and the operators make their own); a TrainJob's pods get a ServiceAccount.
@@ -41,7 +41,7 @@ def test_the_pods_env_block_matches_the_default_nccl_profile(compose_train):
 
 
 def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
-    """k8s/ is generated from configs/ (python -m {{ cookiecutter.package }}.k8s): edit the config, regenerate."""
+    """k8s/ is generated from configs/ (python -m ddp_project.k8s): edit the config, regenerate."""
     cfg = compose_train()
     deploy = OmegaConf.to_container(cfg.deploy, enum_to_str=True)
     profile = OmegaConf.to_container(cfg.nccl, enum_to_str=True)
@@ -153,7 +153,7 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
 
 
 def test_the_pods_run_the_launcher_over_all_their_gpus():
-    from {{ cookiecutter.package }}.launch import COMMAND
+    from ddp_project.launch import COMMAND
 
     container = workload_container()
     command = container["command"]
@@ -191,7 +191,7 @@ def test_values_live_in_the_yaml_and_the_schemas_hold_none():
 
     from omegaconf import MISSING
 
-    from {{ cookiecutter.package }} import config
+    from ddp_project import config
 
     schemas = [config.MlpConfig, config.GptConfig, config.PointsConfig, config.TokensConfig,
                config.TrainerConfig, config.DistConfig, config.DeployConfig, config.TrainConfig]  # fmt: skip

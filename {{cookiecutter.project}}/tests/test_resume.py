@@ -22,7 +22,7 @@ from conftest import (
     worker_pid,
 )
 
-from {{ cookiecutter.package }} import checkpoint
+from ddp_project import checkpoint
 
 
 def final_model(run_dir, step):
@@ -315,7 +315,7 @@ def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_li
 def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monkeypatch, capsys):
     """The guard lets the change through (accept_changes), the checkpoint does not fit: exit 2.
     train's main in this process, as `python -m` runs it: one process, no torchrun."""
-    from {{ cookiecutter.package }} import rundir, train
+    from ddp_project import rundir, train
 
     shutil.copytree(kept, tmp_path / "run")
     before = (tmp_path / "run" / "config.yaml").read_text()

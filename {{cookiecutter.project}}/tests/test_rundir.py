@@ -21,9 +21,9 @@ from conftest import (
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-from {{ cookiecutter.package }} import check, checkpoint, rundir
-from {{ cookiecutter.package }} import launch as launcher
-from {{ cookiecutter.package }}.config import register_configs
+from ddp_project import check, checkpoint, rundir
+from ddp_project import launch as launcher
+from ddp_project.config import register_configs
 
 pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
 
@@ -455,7 +455,7 @@ def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
 
 def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marked_fields():
     """Marked in config.py (field metadata), read by rundir and evaluate: no list beside it."""
-    from {{ cookiecutter.package }} import evaluate, rundir
+    from ddp_project import evaluate, rundir
 
     assert sorted(rundir.RESUME_MAY_CHANGE) == [
         "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",

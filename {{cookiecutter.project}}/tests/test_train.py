@@ -13,7 +13,7 @@ import torch
 from conftest import PACKAGE, RUN_NAME, launch_command, read_metrics, shared_folder, torchrun
 from torch.utils.data import DataLoader, TensorDataset
 
-from {{ cookiecutter.package }} import data
+from ddp_project import data
 
 # Installed as sitecustomize in the workers: records each rank's NCCL_* variables at the moment
 # init_process_group is called, then lets the call proceed.
@@ -280,7 +280,7 @@ def test_the_gpt_learns_the_token_rule_and_no_better(gpt_run):
     of NOISE values, so the loss falls from log(vocab) to near log(NOISE), never under it."""
     import math
 
-    from {{ cookiecutter.package }}.data import NOISE
+    from ddp_project.data import NOISE
 
     (run_dir,) = (gpt_run / "outputs").iterdir()
     losses = [row["loss"] for row in read_metrics(run_dir)]

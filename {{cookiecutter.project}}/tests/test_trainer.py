@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import checkpoint, metrics
-from {{ cookiecutter.package }}.checkpoint import Checkpointer, Diverged
-from {{ cookiecutter.package }}.trainer import Trainer, Window
-from {{ cookiecutter.package }}.world import World
+from ddp_project import checkpoint, metrics
+from ddp_project.checkpoint import Checkpointer, Diverged
+from ddp_project.trainer import Trainer, Window
+from ddp_project.world import World
 
 ONE = World()
 

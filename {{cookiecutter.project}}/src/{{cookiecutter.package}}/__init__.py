@@ -1,3 +1,3 @@
 """{{ cookiecutter.project }}: DDP training with Hydra configs, ready for Kubernetes."""
 
-PROJECT = {{ cookiecutter.project | py_str }}  # also the launcher's command: `<project> train`
+PROJECT = "{{ cookiecutter.project }}"  # also the launcher's command: `<project> train`

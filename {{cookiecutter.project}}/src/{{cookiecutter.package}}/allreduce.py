@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package }}.world import World
+from .world import World
 
 MIB = 2**20
 MIN_TIMED_S = 0.3  # per size: enough iterations to smooth launch jitter, few enough to be quick

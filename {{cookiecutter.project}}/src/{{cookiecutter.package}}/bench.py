@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import allreduce, check, compilation, ddp, perf, train
-from {{ cookiecutter.package }}.config import TokensConfig, TrainConfig
-from {{ cookiecutter.package }}.doctor import Parser, at_least, root_cause, seconds
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.trainer import AUTOCAST, Trainer
-from {{ cookiecutter.package }}.world import World
+from . import allreduce, check, compilation, ddp, perf, train
+from .config import TokensConfig, TrainConfig
+from .doctor import Parser, at_least, root_cause, seconds
+from .exits import Exit
+from .model import build_model
+from .trainer import AUTOCAST, Trainer
+from .world import World
 
 PACKAGE = __package__
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many

@@ -26,8 +26,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from {{ cookiecutter.package }} import loggers
-from {{ cookiecutter.package }}.config import (
+from . import loggers
+from .config import (
     ConfigError,
     LoggersConfig,
     TrainConfig,
@@ -39,7 +39,7 @@ from {{ cookiecutter.package }}.config import (
     typed,
     yaml_problem,
 )
-from {{ cookiecutter.package }}.exits import Exit
+from .exits import Exit
 
 
 def schema_keys(err: Exception) -> list[str]:

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package }}.exits import Exit, for_signal
-from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
-from {{ cookiecutter.package }}.world import World
+from .exits import Exit, for_signal
+from .failfast import NO_WATCHDOG, Heartbeat
+from .world import World
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.pt")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from {{ cookiecutter.package }}.config import TrainConfig
+from .config import TrainConfig
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -29,10 +29,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from {{ cookiecutter.package }} import nccl
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.k8s.checks import deploy_errors
-from {{ cookiecutter.package }}.world import World
+from . import nccl
+from .exits import Exit
+from .k8s.checks import deploy_errors
+from .world import World
 
 
 class ConfigError(ValueError):

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from {{ cookiecutter.package }}.config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.world import World
+from .config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
+from .exits import Exit
+from .world import World
 
 NOISE = 4  # data=tokens: the values each next token can take given the one before
 TOKEN_DTYPE = np.uint16  # a token file, as nanoGPT writes them: vocabularies up to 65536

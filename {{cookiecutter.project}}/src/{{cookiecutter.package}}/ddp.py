@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }}.config import CommHook, DistConfig
-from {{ cookiecutter.package }}.world import World
+from .config import CommHook, DistConfig
+from .world import World
 
 COMM_HOOKS = {
     CommHook.default: None,  # DDP's built-in all-reduce, in C++

@@ -31,9 +31,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import nccl, probe
-from {{ cookiecutter.package }}.config import TrainConfig, register_configs
-from {{ cookiecutter.package }}.exits import Exit
+from . import nccl, probe
+from .config import TrainConfig, register_configs
+from .exits import Exit
 
 PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }}.config import (
+from . import checkpoint
+from .config import (
     EVALUATE_SETS,
     ConfigError,
     TokensConfig,
@@ -38,11 +38,11 @@ from {{ cookiecutter.package }}.config import (
     require,
     uses_cuda,
 )
-from {{ cookiecutter.package }}.data import build_dataset
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.trainer import AUTOCAST
-from {{ cookiecutter.package }}.world import World
+from .data import build_dataset
+from .exits import Exit
+from .model import build_model
+from .trainer import AUTOCAST
+from .world import World
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.
 ADJUSTABLE = marked_keys(EVALUATE_SETS)  # the rest comes from the checkpoint's config

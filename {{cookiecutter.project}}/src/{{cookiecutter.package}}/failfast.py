@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from {{ cookiecutter.package }}.nccl import Decision
-from {{ cookiecutter.package }}.world import World
+from .nccl import Decision
+from .world import World
 
 GATE_PHASE = "the gate right after init_process_group"  # the first collective: the transport's test
 STALL_MARGIN_S = 10  # past dist.timeout_s, when the stall watchdog acts if NCCL has not

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from {{ cookiecutter.package }} import PROJECT
-from {{ cookiecutter.package }}.exits import Exit, for_signal
+from . import PROJECT
+from .exits import Exit, for_signal
 
 
 def stopped_while_starting(signum: int, frame: object) -> NoReturn:
@@ -71,8 +71,8 @@ from torch.distributed.elastic.rendezvous.utils import (
 )
 from torch.distributed.run import get_args_parser, run
 
-from {{ cookiecutter.package }} import check, checkpoint, rundir
-from {{ cookiecutter.package }}.config import (
+from . import check, checkpoint, rundir
+from .config import (
     RUN_NAME_VAR,
     TrainConfig,
     exit_with_error,

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from {{ cookiecutter.package }} import PROJECT
-from {{ cookiecutter.package }}.config import (
+from . import PROJECT
+from .config import (
     ConfigError,
     LoggersConfig,
     MlflowLoggerConfig,

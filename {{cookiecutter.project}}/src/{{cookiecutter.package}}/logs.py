@@ -2,7 +2,7 @@
 
 import logging
 
-from {{ cookiecutter.package }}.world import World
+from .world import World
 
 
 class RankFilter(logging.Filter):

@@ -17,8 +17,8 @@ from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package }} import PROJECT, loggers
-from {{ cookiecutter.package }}.exits import Exit
+from . import PROJECT, loggers
+from .exits import Exit
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def exit_before_the_others(err: loggers.LoggerError, run_dir: Path) -> NoReturn:
     """Only rank 0 starts the loggers; the other ranks wait for it in the first step's all-reduce
     and fail once it ends. So it ends at once, exit 2 after one line naming the logger, and
     claims the failure report: theirs then say "failed too", and the launcher names this one."""
-    from {{ cookiecutter.package }} import failfast  # torch: not for the plot command
+    from . import failfast  # torch: not for the plot command
 
     failfast.claim_report(run_dir)
     print(f"config error: {err}", file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from {{ cookiecutter.package }}.config import GptConfig, MlpConfig, PointsConfig, TokensConfig
+from .config import GptConfig, MlpConfig, PointsConfig, TokensConfig
 
 
 def matmul_parameters(model: nn.Module) -> int:

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.nccl import NodeFacts
-from {{ cookiecutter.package }}.world import World
+from .exits import Exit
+from .nccl import NodeFacts
+from .world import World
 
 NVLINK_CELL = re.compile(r"NV\d+")
 NVML_P2P_CAPS_INDEX_READ = 0  # literal ints: one nvidia-ml-py release mislabels these constants

@@ -25,8 +25,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package }} import checkpoint
-from {{ cookiecutter.package }}.config import (
+from . import checkpoint
+from .config import (
     FREE_ON_RESUME,
     ConfigError,
     TrainConfig,
@@ -34,7 +34,7 @@ from {{ cookiecutter.package }}.config import (
     marked_keys,
     typed,
 )
-from {{ cookiecutter.package }}.world import World
+from .world import World
 
 LOCK = ".lock"
 # A holder on another host (a pod on its way out while its replacement starts) gets this long.

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from {{ cookiecutter.package }} import PROJECT, checkpoint, failfast, metrics, nccl, probe
-from {{ cookiecutter.package }}.config import (
+from . import PROJECT, checkpoint, failfast, metrics, nccl, probe
+from .config import (
     TrainConfig,
     exit_with_error,
     hydra_argv,
@@ -37,9 +37,9 @@ from {{ cookiecutter.package }}.config import (
     typed,
     uses_cuda,
 )
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.trainer import Trainer
-from {{ cookiecutter.package }}.world import World
+from .exits import Exit
+from .trainer import Trainer
+from .world import World
 
 log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
@@ -254,7 +254,7 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
 
 @hydra.main(
     version_base="1.3",
-    config_path="pkg://{{ cookiecutter.package }}.configs",
+    config_path=f"pkg://{__package__}.configs",
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:

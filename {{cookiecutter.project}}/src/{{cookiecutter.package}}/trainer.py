@@ -21,18 +21,18 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package }} import compilation, ddp, metrics, perf
-from {{ cookiecutter.package }}.checkpoint import (
+from . import compilation, ddp, metrics, perf
+from .checkpoint import (
     Checkpointer,
     CheckpointFailed,
     Diverged,
     Progress,
 )
-from {{ cookiecutter.package }}.config import OnNonFinite, Precision, TrainConfig
-from {{ cookiecutter.package }}.data import build_dataset, build_loader, epoch_batches
-from {{ cookiecutter.package }}.failfast import NO_WATCHDOG, Heartbeat
-from {{ cookiecutter.package }}.model import build_model
-from {{ cookiecutter.package }}.world import World
+from .config import OnNonFinite, Precision, TrainConfig
+from .data import build_dataset, build_loader, epoch_batches
+from .failfast import NO_WATCHDOG, Heartbeat
+from .model import build_model
+from .world import World
 
 log = logging.getLogger(__name__)
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}

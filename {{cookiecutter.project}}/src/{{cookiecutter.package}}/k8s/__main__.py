@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from {{ cookiecutter.package }} import k8s
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.k8s import persist, render, sync
-from {{ cookiecutter.package }}.k8s.pods import nccl_env
+from .. import k8s
+from ..exits import Exit
+from . import persist, render, sync
+from .pods import nccl_env
 
 PACKAGE = __package__.rpartition(".")[0]
 
@@ -42,7 +42,7 @@ def deploy_and_profile(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def main() -> int:
-    from {{ cookiecutter.package }} import check
+    from .. import check
 
     parser = argparse.ArgumentParser(
         description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

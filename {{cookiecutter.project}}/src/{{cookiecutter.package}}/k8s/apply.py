@@ -24,9 +24,9 @@ from typing import Any
 
 import yaml
 
-from {{ cookiecutter.package }}.exits import Exit
-from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
-from {{ cookiecutter.package }}.k8s.meta import NAME_LABEL
+from ..exits import Exit
+from .flavors import FLAVORS
+from .meta import NAME_LABEL
 
 # The kinds this project renders that a new render may leave behind, as kubectl names them.
 WORKLOADS = {flavor.kind: flavor.resource for flavor in FLAVORS.values()}

@@ -10,8 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from {{ cookiecutter.package }}.k8s.flavors import FLAVORS
-from {{ cookiecutter.package }}.k8s.meta import (
+from .flavors import FLAVORS
+from .meta import (
     TOPOLOGY_ANNOTATIONS,
     labels,
     quantity,

@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from {{ cookiecutter.package }}.exits import FAIL_AT_ONCE
-from {{ cookiecutter.package }}.k8s.meta import labels, optional, resource
-from {{ cookiecutter.package }}.k8s.pods import (
+from ..exits import FAIL_AT_ONCE
+from .meta import labels, optional, resource
+from .pods import (
     COMMAND,
     POD_IP,
     Launch,

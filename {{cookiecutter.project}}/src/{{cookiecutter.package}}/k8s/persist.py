@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from {{ cookiecutter.package }}.k8s.sync import replace_all
+from .sync import replace_all
 
 PACKAGE = __package__.rpartition(".")[0]
 # deploy.<field>, nccl=<profile>, nccl.<field>; or an entry of a map, such as deploy.pod_labels.team

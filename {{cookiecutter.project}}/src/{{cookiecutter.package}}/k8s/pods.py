@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from {{ cookiecutter.package }} import PROJECT, nccl
-from {{ cookiecutter.package }}.k8s.meta import (
+from .. import PROJECT, nccl
+from .meta import (
     HOSTNAME,
     NAME_LABEL,
     cpu_text,
