@@ -1,5 +1,6 @@
 """Render the template the way users do: cookiecutter's API and its real command line."""
 
+import ast
 import copy
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -24,6 +26,23 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEFAULTS = json.loads((TEMPLATE / "cookiecutter.json").read_text())
 PROFILES = DEFAULTS["nccl_profile"]
+FLAVORS = DEFAULTS["k8s_flavor"]
+PROJECT_SOURCES = TEMPLATE / "{{cookiecutter.project}}"
+PACKAGE_SOURCES = PROJECT_SOURCES / "src" / "{{cookiecutter.package}}"
+
+
+def literal(source: Path, name: str) -> Any:
+    """The literal a Python source assigns to `name` at its top level, read without importing it:
+    the template's sources are Python before rendering, so a table the generated tests hold is
+    shared with the template's tests, not copied."""
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{source} assigns no {name}")
+
+
+# What each NCCL profile puts in the Job's env block: the generated tests' table.
+PROFILE_ENV = literal(PROJECT_SOURCES / "tests" / "test_config.py", "PROFILE_ENV")
 # (nccl_profile, num_gpus, project, num_nodes, k8s_flavor): every profile, 1 to 16 GPUs (odd counts
 # too), 1 to 16 nodes, every flavor on one node and on several; the long name checks that
 # formatting does not depend on it.

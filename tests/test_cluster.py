@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, COMPLETION_INDEX, TEMPLATE, manifest_of, pod_from, pod_template_in, pod_template_of
+from conftest import BIN, COMPLETION_INDEX, FLAVORS, TEMPLATE, manifest_of, pod_from, pod_template_in, pod_template_of
 
 SHARED = TEMPLATE.parent / "shared" / "k8s"
 TRAINER = SHARED / "reference" / "kubeflow-trainer-v2.3.0" / "pkg"
@@ -96,7 +96,7 @@ def test_rdma_settings_pass_the_strict_dry_run_and_restricted_warns_of_ipc_lock(
                 "deploy.extra_resources={rdma/rdma_shared_device_a: 1}", "deploy.pod_labels.team=vision",
                 "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks: ib-net}"]  # fmt: skip
     files = []
-    for flavor in ("job", "jobset", "pytorchjob", "trainjob"):
+    for flavor in FLAVORS:
         out = tmp_path / flavor
         render = [sys.executable, "-m", "ddp_project.k8s", "--force", "--out", str(out), f"deploy.flavor={flavor}"]
         done = subprocess.run([*render, *settings], cwd=project, env=env, capture_output=True, text=True, timeout=120)

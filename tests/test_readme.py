@@ -39,10 +39,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, TEMPLATE, render
+from conftest import BIN, FLAVORS, TEMPLATE, render
 
 KUBECTL_XZ = TEMPLATE.parent / "shared" / "k8s" / "bin" / "kubectl.xz"
-FLAVORS = json.loads((TEMPLATE / "cookiecutter.json").read_text())["k8s_flavor"]
 
 # ---------------------------------------------------------------- reading the READMEs
 

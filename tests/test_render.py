@@ -1,5 +1,6 @@
 """Render a matrix of answers and check every file the way its own tools would."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -15,7 +16,12 @@ import pytest
 import yaml
 from conftest import (
     BIN,
+    FLAVORS,
     MATRIX_IDS,
+    PACKAGE_SOURCES,
+    PROFILE_ENV,
+    PROFILES,
+    PROJECT_SOURCES,
     TEMPLATE,
     cookiecutter_cli,
     deploy_of,
@@ -126,13 +132,6 @@ EXPECTED_FILES = {
     "tests/test_trainer.py",
 }
 # What each profile must put in the Job's env block.
-PROFILE_ENV = {
-    "auto": {},
-    "nccl_default": {},
-    "pcie_safe": {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
-    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"},
-    "infiniband": {"NCCL_IB_DISABLE": "0"},
-}
 
 
 @pytest.fixture(scope="module", params=MATRIX_IDS)
@@ -292,6 +291,19 @@ def test_job_env_block_carries_the_profile(rendered):
     (container,) = pod_template_of(rendered)["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("NCCL_")}
     assert env == PROFILE_ENV[rendered.profile]
+
+
+def test_the_answers_offer_what_the_package_has():
+    """cookiecutter.json's lists are the prompt's; the package's tables are what a project can use.
+    Read from the unrendered sources, which are Python."""
+    tree = ast.parse((PACKAGE_SOURCES / "k8s" / "flavors.py").read_text())
+    (table,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "FLAVORS"]
+    assert [key.value for key in table.keys] == FLAVORS
+    config = ast.parse((PACKAGE_SOURCES / "config.py").read_text())
+    (flavor,) = [n for n in config.body if isinstance(n, ast.ClassDef) and n.name == "Flavor"]
+    assert [n.targets[0].id for n in flavor.body if isinstance(n, ast.Assign)] == FLAVORS
+    assert sorted(PROFILE_ENV) == sorted(PROFILES)
+    assert sorted(p.stem for p in (PROJECT_SOURCES / "configs" / "nccl").glob("*.yaml")) == sorted(PROFILES)
 
 
 def test_profile_files_and_job_env_agree_through_the_projects_own_rules(rendered):

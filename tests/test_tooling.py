@@ -4,7 +4,7 @@ import ast
 import subprocess
 from pathlib import Path
 
-from conftest import BIN, TEMPLATE
+from conftest import BIN, PACKAGE_SOURCES, PROJECT_SOURCES, TEMPLATE
 
 OWN_CODE = [
     "hooks",
@@ -18,8 +18,6 @@ OWN_CODE = [
     "new-project",
     "{{cookiecutter.project}}",  # unrendered, under its own ruff.toml: the project's settings
 ]
-PROJECT_SOURCES = TEMPLATE / "{{cookiecutter.project}}"
-PACKAGE_SOURCES = PROJECT_SOURCES / "src" / "{{cookiecutter.package}}"
 
 
 def test_own_python_is_ruff_clean():

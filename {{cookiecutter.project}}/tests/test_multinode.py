@@ -32,6 +32,7 @@ from ddp_project import check, launch
 from ddp_project.checkpoint import checkpoint_paths
 from ddp_project.k8s import __main__ as cli
 from ddp_project.k8s import render
+from ddp_project.k8s.flavors import FLAVORS
 from ddp_project.k8s.pods import nccl_env
 from ddp_project.launch import COMMAND
 
@@ -52,13 +53,12 @@ POD_NAMES = {
     "pytorchjob": lambda name, i: (f"{name}-worker-{i}",),  # the operator's Service per pod
     "trainjob": lambda name, i: (f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}"),  # a JobSet's
 }
-FLAVORS = list(POD_NAMES)
 # This project's own flavor's launch line trains on two nodes: the short training the template
 # runs for each of its renders too (pytest -m render: tests/conftest.py). Each other flavor's
 # launch line is resolved, node by node, to the torchrun launch it makes, and compared with the
 # own flavor's (a launch costs seconds of CPU per process).
 OWN_FLAVOR = deploy_defaults()["flavor"]
-OTHER_FLAVORS = [flavor for flavor in FLAVORS if flavor != OWN_FLAVOR]
+OTHER_FLAVORS = [flavor for flavor in FLAVORS if flavor != OWN_FLAVOR]  # each needs its POD_NAMES
 # The pod's hostname, and its read-only root filesystem (readOnlyRootFilesystem) with /tmp, its
 # emptyDir, still writable; /dev/shm is a mount of its own.
 AS_A_POD = 'hostname "$0" && mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"'
