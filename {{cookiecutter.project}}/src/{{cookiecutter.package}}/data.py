@@ -93,7 +93,7 @@ class TokenFile(Dataset):
 
 
 @builds(TokensConfig)
-def tokens(cfg: TokensConfig, seed: int, held_out: bool) -> Dataset:
+def token_sequences(cfg: TokensConfig, seed: int, held_out: bool) -> Dataset:
     """data=tokens: its token file (data.path), or synthetic sequences from the seed."""
     return tokens_dataset(cfg, seed, held_out) if cfg.path is None else TokenFile(cfg, held_out)
 
