@@ -1,13 +1,17 @@
 """One registry of the model, data and logger options: what each option's YAML fills (its schema)
 and what builds it.
 
-An option is a YAML file in configs/<group>/ and its schema, a dataclass registered with @option;
-its builder registers with @builds(schema) where it is defined. Everything that differs between
-options reads these two: Hydra's ConfigStore (config.register_configs), the model-and-data check
-(config.check_combinations), the schema of a checkpoint's config (config.from_saved), the logger
-group's keys (config.LoggersConfig) and their packages, and build_model, build_dataset and
-loggers.build. Nothing here imports torch: checking a config (and rendering k8s/) reads the
-schemas, and only building a model or a data set imports what builds it.
+An option is a YAML file in configs/<group>/ and a schema, a dataclass registered with @option
+(config.py). Its builder registers with @builds(schema) where it is defined, apart from the schema
+because checking a config (and rendering k8s/) reads the schemas without importing torch:
+  model   model.py    (cfg, data) -> nn.Module, with flops_per_token() for MFU
+  data    data.py     (cfg, seed, held_out) -> Dataset
+  logger  loggers.py  (cfg, run_dir, start_step, config) -> an object with log(row) and close(),
+                      or None for nothing to start
+Everything that differs between options reads these two: Hydra's ConfigStore
+(config.register_configs), the model-and-data check (config.check_combinations), the schema of a
+checkpoint's config (config.from_saved), the logger group's keys (config.LoggersConfig) and their
+packages, build_model, build_dataset and loggers.build.
 """
 
 from __future__ import annotations
