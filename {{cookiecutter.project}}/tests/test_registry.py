@@ -14,9 +14,15 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_project import evaluate, loggers, registry  # noqa: F401  (loggers: its builders)
+from ddp_project import evaluate, registry
 from ddp_project.check import load_config
-from ddp_project.config import HELD_OUT, ConfigError, DataConfig, register_configs, require
+from ddp_project.config import (
+    HELD_OUT,
+    ConfigError,
+    DataConfig,
+    register_configs,
+    require,
+)
 from ddp_project.trainer import Trainer
 from ddp_project.world import World
 
@@ -121,5 +127,5 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
 
 def test_every_registered_option_has_a_builder():
     """The package's own options (their builders registered when model, data and loggers are
-    imported, as the trainer does): a schema without one would fail only once chosen."""
+    imported, as the trainer imports them): a schema without one would fail only once chosen."""
     assert [o.name for o in registry.OPTIONS.values() if o.schema not in registry.BUILDERS] == []
