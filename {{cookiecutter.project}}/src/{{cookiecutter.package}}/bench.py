@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import allreduce, check, compilation, ddp, perf, train
-from .config import TokensConfig, TrainConfig
+from .config import TrainConfig
+from .data import build_dataset
 from .doctor import Parser, at_least, root_cause, seconds
 from .exits import Exit
 from .model import build_model
@@ -83,7 +84,7 @@ def reference_ms(
     dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     accumulation = cfg.trainer.grad_accumulation
-    batches = [random_batch(cfg, device) for _ in range(accumulation)]
+    batches = first_batches(cfg, accumulation, device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     windows = []
     for _ in range((warmup + steps) // window):
@@ -103,14 +104,15 @@ def reference_ms(
     return statistics.median(windows[warmup // window :])
 
 
-def random_batch(cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    size, data = cfg.data.batch_size, cfg.data
-    if isinstance(data, TokensConfig):
-        shape = (size, data.seq_len)
-        return (torch.randint(data.vocab_size, shape, device=device),
-                torch.randint(data.vocab_size, shape, device=device))  # fmt: skip
-    return (torch.randn(size, data.num_features, device=device),
-            torch.randint(data.num_classes, (size,), device=device))  # fmt: skip
+def first_batches(
+    cfg: TrainConfig, count: int, device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
+    """The data set's first `count` batches (from its start again where it holds fewer), held on
+    the device throughout: the loop times the step, not the data."""
+    dataset = build_dataset(cfg.data, cfg.trainer.seed)
+    size = cfg.data.batch_size
+    rows = [[(i * size + j) % len(dataset) for j in range(size)] for i in range(count)]
+    return [tuple(tensor.to(device) for tensor in dataset[batch]) for batch in rows]
 
 
 def template_ms(

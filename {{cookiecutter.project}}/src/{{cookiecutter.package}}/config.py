@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from importlib.resources import files
 from pathlib import Path
@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import nccl
 from .exits import Exit
 from .k8s.checks import deploy_errors
+from .registry import option, option_of, options, stored_options
 from .world import World
 
 
@@ -71,35 +72,6 @@ EVALUATE_SETS = {"evaluate_sets": True}
 
 
 @dataclass
-class MlpConfig:
-    """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
-
-    hidden_dim: int = MISSING
-    depth: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
-        require(self.depth >= 1, "model.depth", self.depth, "must be at least 1")
-
-
-@dataclass
-class GptConfig:
-    """configs/model/gpt.yaml: a decoder-only transformer over data=tokens."""
-
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    d_model: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be at least 1")
-        require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
-        require(
-            self.d_model >= 1 and self.d_model % self.n_head == 0,
-            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
-        )  # fmt: skip
-
-
-@dataclass
 class DataConfig:
     """What every data option has: how many samples, and how they reach the GPU."""
 
@@ -122,7 +94,17 @@ class DataConfig:
             "must be 0 with data.on_device=true (the batches are cut on the GPU)",
         )
 
+    def training_samples(self) -> tuple[int, str]:
+        """Samples training draws from, and the key that says how many."""
+        return self.num_samples, f"data.num_samples={self.num_samples}"
 
+    def held_out_samples(self) -> tuple[int, str]:
+        """Samples evaluation reads (data.build_dataset(held_out=True)), and the key that says
+        how many."""
+        return self.num_samples // HELD_OUT, f"data.num_samples={self.num_samples}"
+
+
+@option("data", "synthetic", "labelled points", stored_as="points_schema")
 @dataclass
 class PointsConfig(DataConfig):
     """configs/data/synthetic.yaml: labelled points from a fixed random teacher."""
@@ -138,6 +120,7 @@ class PointsConfig(DataConfig):
         require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
 
 
+@option("data", "tokens", "token sequences", stored_as="tokens_schema")
 @dataclass
 class TokensConfig(DataConfig):
     """configs/data/tokens.yaml: token sequences for next-token prediction."""
@@ -154,6 +137,48 @@ class TokensConfig(DataConfig):
             problem = token_file_problem(self)
             if problem:
                 raise ConfigError(f"data.path={self.path}: {problem}")
+
+    def training_samples(self) -> tuple[int, str]:
+        if self.path is None:
+            return super().training_samples()
+        sequences = file_sequences(self)
+        return sequences - max(1, sequences // HELD_OUT), f"data.path={self.path}"
+
+    def held_out_samples(self) -> tuple[int, str]:
+        if self.path is None:
+            return super().held_out_samples()
+        return max(1, file_sequences(self) // HELD_OUT), f"data.path={self.path}"
+
+
+@option("model", "mlp", "an MLP", stored_as="mlp_schema", reads=PointsConfig)
+@dataclass
+class MlpConfig:
+    """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
+
+    hidden_dim: int = MISSING
+    depth: int = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
+        require(self.depth >= 1, "model.depth", self.depth, "must be at least 1")
+
+
+@option("model", "gpt", "a GPT", stored_as="gpt_schema", reads=TokensConfig)
+@dataclass
+class GptConfig:
+    """configs/model/gpt.yaml: a decoder-only transformer over data=tokens."""
+
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    d_model: int = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be at least 1")
+        require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
+        require(
+            self.d_model >= 1 and self.d_model % self.n_head == 0,
+            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
+        )  # fmt: skip
 
 
 HELD_OUT = 10  # one part in this many is held out for evaluation
@@ -231,27 +256,13 @@ def file_sequences(data: TokensConfig) -> int:
     return max(0, tokens - 1) // data.seq_len
 
 
-def training_samples(data: DataConfig) -> tuple[int, str]:
-    """Samples training draws from, and the key that says how many."""
-    if isinstance(data, TokensConfig) and data.path is not None:
-        sequences = file_sequences(data)
-        return sequences - max(1, sequences // HELD_OUT), f"data.path={data.path}"
-    return data.num_samples, f"data.num_samples={data.num_samples}"
-
-
-def held_out_samples(data: DataConfig) -> tuple[int, str]:
-    """Samples evaluation reads (data.build_dataset(held_out=True)), and the key that says how
-    many."""
-    if isinstance(data, TokensConfig) and data.path is not None:
-        return max(1, file_sequences(data) // HELD_OUT), f"data.path={data.path}"
-    return data.num_samples // HELD_OUT, f"data.num_samples={data.num_samples}"
-
-
+@option("logger", "tensorboard")
 @dataclass
 class TensorBoardConfig:
     """configs/logger/tensorboard.yaml: event files in <run dir>/tensorboard."""
 
 
+@option("logger", "csv")
 @dataclass
 class CsvLoggerConfig:
     """configs/logger/csv.yaml: metrics.csv and metrics.jsonl alone."""
@@ -263,6 +274,7 @@ class WandbMode(Enum):
     disabled = "disabled"
 
 
+@option("logger", "wandb", package=("wandb", "wandb"))
 @dataclass
 class WandbConfig:
     """configs/logger/wandb.yaml: Weights & Biases (pip install '.[wandb]')."""
@@ -294,6 +306,7 @@ class WandbConfig:
 MLFLOW_SCHEMES = ("http", "https", "file")
 
 
+@option("logger", "mlflow", package=("mlflow", "mlflow"))
 @dataclass
 class MlflowLoggerConfig:
     """configs/logger/mlflow.yaml: MLflow (pip install '.[mlflow]')."""
@@ -335,18 +348,19 @@ def mlflow_uri_problem(uri: str) -> str | None:
     return None
 
 
-@dataclass
-class LoggersConfig:
-    """configs/logger/*.yaml: each option sets its own key, so that several combine:
-    logger=[tensorboard,wandb]. A logger left null is not used."""
+def chosen_loggers(self: Any) -> list[str]:
+    """LoggersConfig.chosen(): the loggers a config uses, in the order they registered."""
+    return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
-    tensorboard: Optional[TensorBoardConfig] = None
-    csv: Optional[CsvLoggerConfig] = None
-    wandb: Optional[WandbConfig] = None
-    mlflow: Optional[MlflowLoggerConfig] = None
 
-    def chosen(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+# configs/logger/*.yaml: each logger option sets its own key, so that several combine:
+# logger=[tensorboard,wandb]; a key left null is a logger not used. A key for each logger option
+# registered above, in that order.
+LoggersConfig = make_dataclass(
+    "LoggersConfig",
+    [(o.name, Optional[o.schema], field(default=None)) for o in options("logger")],
+    namespace={"chosen": chosen_loggers, "__module__": __name__},
+)
 
 
 class Precision(Enum):
@@ -571,8 +585,8 @@ class DeployConfig:
 
 @dataclass
 class TrainConfig:
-    model: Any = MISSING  # MlpConfig or GptConfig: the model group's option brings its schema
-    data: Any = MISSING  # PointsConfig or TokensConfig, likewise
+    model: Any = MISSING  # the model option's schema (registry), which its YAML brings
+    data: Any = MISSING  # the data option's, likewise
     # each option of the logger group sets one of its keys
     logger: LoggersConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
     trainer: TrainerConfig = MISSING
@@ -626,7 +640,7 @@ def check_data(config: TrainConfig, world: World, held_out: bool = False) -> Non
     step. Evaluation (held_out): every process needs a held-out sample; its last batch may be
     short, so any batch size does."""
     if held_out:
-        samples, source = held_out_samples(config.data)
+        samples, source = config.data.held_out_samples()
         if samples < world.size:
             fewer = f"on at most {samples} process(es), or " if samples else ""
             raise ConfigError(
@@ -634,7 +648,7 @@ def check_data(config: TrainConfig, world: World, held_out: bool = False) -> Non
                 f"process(es), which need one each; evaluate {fewer}with more data"
             )
         return
-    samples, source = training_samples(config.data)
+    samples, source = config.data.training_samples()
     per_process = samples // world.size
     require(
         per_process >= config.data.batch_size,
@@ -654,10 +668,10 @@ def check_combinations(config: TrainConfig) -> None:
         f"DDP's static graph cannot skip the gradient sync that trainer.grad_accumulation="
         f"{config.trainer.grad_accumulation} needs; set dist.static_graph=false",
     )
-    if isinstance(config.model, GptConfig) and not isinstance(config.data, TokensConfig):
-        raise ConfigError("model: a GPT reads token sequences; use data=tokens")
-    if isinstance(config.model, MlpConfig) and not isinstance(config.data, PointsConfig):
-        raise ConfigError("model: an MLP reads labelled points; use data=synthetic")
+    model = option_of(type(config.model))
+    if model.reads is not None and not isinstance(config.data, model.reads):
+        data = option_of(model.reads)
+        raise ConfigError(f"model: {model.what} reads {data.what}; use data={data.name}")
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:
@@ -710,8 +724,8 @@ def check_accept_changes(config: TrainConfig) -> None:
     """trainer.accept_changes names keys a resume may change: each must be a group or a key of
     this config, or of another option of its groups (a resume that switches model=...)."""
     known = config_keys(config) | {
-        f"{group}.{f.name}" for group, schemas in OPTION_SCHEMAS.items() for s in schemas for f in fields(s)
-    }  # fmt: skip
+        f"{o.group}.{f.name}" for o in stored_options() for f in fields(o.schema)
+    }
     for entry in config.trainer.accept_changes:
         if entry not in known:
             close = difflib.get_close_matches(entry, sorted(known), n=1)
@@ -723,24 +737,17 @@ def check_accept_changes(config: TrainConfig) -> None:
             )
 
 
-# Groups whose options have schemas of their own; a saved config names none, its keys tell.
-OPTION_SCHEMAS = {
-    "model": (MlpConfig, GptConfig),
-    "data": (PointsConfig, TokensConfig),
-}
-
-
 def from_saved(saved: dict[str, Any], overrides: list[str], held_out: bool = False) -> TrainConfig:
     """A checkpoint's config (the plain dict it holds) typed and checked again, with dotted
     key=value overrides on top; held_out=True checks its data for evaluation (check_data)."""
     parts: dict[str, Any] = {}
     for group, values in saved.items():
-        options = OPTION_SCHEMAS.get(group)
-        if options is None:
+        schemas = [o.schema for o in stored_options() if o.group == group]
+        if not schemas:
             parts[group] = values
             continue
         keys = set(values)
-        schema = next((s for s in options if {f.name for f in dataclasses.fields(s)} == keys), None)
+        schema = next((s for s in schemas if {f.name for f in dataclasses.fields(s)} == keys), None)
         if schema is None:
             raise ConfigError(
                 f"{group}: the checkpoint's keys ({', '.join(sorted(keys))}) fit no {group} schema"
@@ -961,9 +968,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     # Groups whose options differ in shape: each option's YAML names its schema in `defaults`.
-    store.store(group="model", name="mlp_schema", node=MlpConfig)
-    store.store(group="model", name="gpt_schema", node=GptConfig)
-    store.store(group="data", name="points_schema", node=PointsConfig)
-    store.store(group="data", name="tokens_schema", node=TokensConfig)
+    for stored in stored_options():
+        store.store(group=stored.group, name=stored.stored_as, node=stored.schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)

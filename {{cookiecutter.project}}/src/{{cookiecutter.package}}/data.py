@@ -22,12 +22,14 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from .config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from .exits import Exit
+from .registry import builder_of, builds
 from .world import World
 
 NOISE = 4  # data=tokens: the values each next token can take given the one before
 TOKEN_DTYPE = np.uint16  # a token file, as nanoGPT writes them: vocabularies up to 65536
 
 
+@builds(PointsConfig)
 def points_dataset(cfg: PointsConfig, seed: int, held_out: bool) -> TensorDataset:
     """Gaussian inputs labelled by a fixed random two-layer teacher: learnable, not trivial. The
     held-out points (one in HELD_OUT) are drawn after the training ones, from the same teacher."""
@@ -90,14 +92,16 @@ class TokenFile(Dataset):
         return TensorDataset(*self[range(self.count)])
 
 
+@builds(TokensConfig)
+def token_sequences(cfg: TokensConfig, seed: int, held_out: bool) -> Dataset:
+    """data=tokens: its token file (data.path), or synthetic sequences from the seed."""
+    return tokens_dataset(cfg, seed, held_out) if cfg.path is None else TokenFile(cfg, held_out)
+
+
 def build_dataset(cfg: DataConfig, seed: int, held_out: bool = False) -> Dataset:
-    """Every rank builds the identical set from the seed (or reads the same file); the sampler
-    splits it."""
-    if isinstance(cfg, TokensConfig):
-        if cfg.path is not None:
-            return TokenFile(cfg, held_out)
-        return tokens_dataset(cfg, seed, held_out)
-    return points_dataset(cfg, seed, held_out)
+    """The data option's builder. Every rank builds the identical set from the seed (or reads
+    the same file); the sampler splits it."""
+    return builder_of(cfg)(cfg, seed, held_out)
 
 
 class ResumableSampler(DistributedSampler):

@@ -31,7 +31,6 @@ from . import checkpoint
 from .config import (
     EVALUATE_SETS,
     ConfigError,
-    TokensConfig,
     TrainConfig,
     from_saved,
     marked_keys,
@@ -179,8 +178,7 @@ def held_out(cfg: TrainConfig, world: World, batch_given: bool) -> Dataset:
     must fit a process's share (the checkpoint's own is simply capped by it)."""
     data = build_dataset(cfg.data, cfg.trainer.seed, held_out=True)
     count, per_process = len(data), len(data) // world.size
-    source = (f"data.path={cfg.data.path}" if isinstance(cfg.data, TokensConfig) and cfg.data.path is not None
-              else f"data.num_samples={cfg.data.num_samples}")  # fmt: skip
+    _, source = cfg.data.held_out_samples()
     if per_process == 0:
         raise ConfigError(
             f"{source}: the checkpoint's data holds {count} held-out sample(s), fewer than the "

@@ -6,7 +6,9 @@
     logger=mlflow        # MLflow: pip install '.[mlflow]'; a file store in <run dir>/mlruns by default
     logger=[tensorboard,wandb]   # several at once; each one's keys: logger.wandb.mode=online
 
-Each is imported only when chosen; check (and train, before any process starts) refuses a logger
+Each is imported only when chosen, and started by what registered as its builder
+(@builds(its schema): a class or function given the logger's config, the run dir, the step the run
+starts from and the whole config as a dict); check (and train, before any process starts) refuses a logger
 whose package is missing, or an MLflow server that does not answer. A resumed run continues the
 same logger run; rows past the checkpoint it resumes from are not logged twice where the logger
 allows it.
@@ -28,10 +30,13 @@ from urllib.parse import urlsplit
 from . import PROJECT
 from .config import (
     ConfigError,
+    CsvLoggerConfig,
     LoggersConfig,
     MlflowLoggerConfig,
+    TensorBoardConfig,
     WandbConfig,
 )
+from .registry import builder_of, builds, option_of
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +52,6 @@ TAGS = {
     "mfu": "perf/mfu",
     "peak_memory_gib": "perf/peak_memory_gib",
 }
-# logger -> (the module it imports, the pip extra in pyproject.toml that installs it)
-PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 PROBE_S = 5  # how long check waits for a tracking server to accept a connection
 
 
@@ -64,16 +67,13 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 def missing_packages(cfg: LoggersConfig) -> str | None:
     """One line naming the chosen loggers whose packages are not installed, and the pip command
     that installs them all; None if all are. find_spec looks without importing."""
-    missing = [
-        name
-        for name in cfg.chosen()
-        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name][0]) is None
-    ]
+    chosen = [option_of(type(getattr(cfg, name))) for name in cfg.chosen()]
+    missing = [o for o in chosen if o.package and importlib.util.find_spec(o.package[0]) is None]
     if not missing:
         return None
-    extras = ",".join(PACKAGES[name][1] for name in missing)
-    keys = ", ".join(f"logger.{name}" for name in missing)
-    modules = " and ".join(PACKAGES[name][0] for name in missing)
+    extras = ",".join(o.package[1] for o in missing)
+    keys = ", ".join(f"logger.{o.name}" for o in missing)
+    modules = " and ".join(o.package[0] for o in missing)
     needs = (
         f"needs the {modules} package, which is"
         if len(missing) == 1
@@ -154,8 +154,19 @@ class Logger(Protocol):
 FLUSH_S = 10
 
 
+@builds(CsvLoggerConfig)
+def metrics_files_only(
+    cfg: CsvLoggerConfig, run_dir: Path, start_step: int, config: dict[str, Any]
+) -> None:
+    """logger=csv starts nothing: every run writes metrics.csv and metrics.jsonl (RunRecord)."""
+    return None
+
+
+@builds(TensorBoardConfig)
 class TensorBoard:
-    def __init__(self, run_dir: Path, start_step: int) -> None:
+    def __init__(
+        self, cfg: TensorBoardConfig, run_dir: Path, start_step: int, config: dict[str, Any]
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # A resumed run starts again after its checkpoint: forget what was logged past it. The
@@ -174,8 +185,11 @@ class TensorBoard:
         self.writer.close()
 
 
+@builds(WandbConfig)
 class Wandb:
-    def __init__(self, cfg: WandbConfig, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: WandbConfig, run_dir: Path, start_step: int, config: dict[str, Any]
+    ) -> None:
         import wandb
 
         self.run = wandb.init(
@@ -205,11 +219,12 @@ def bound_mlflow_requests(timeout_s: int) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 
 
+@builds(MlflowLoggerConfig)
 class Mlflow:
     def __init__(
-        self, cfg: MlflowLoggerConfig, run_dir: Path, config: dict[str, Any], timeout_s: int
+        self, cfg: MlflowLoggerConfig, run_dir: Path, start_step: int, config: dict[str, Any]
     ) -> None:
-        bound_mlflow_requests(timeout_s)
+        bound_mlflow_requests(config.get("dist", {}).get("timeout_s", 180))
         import mlflow
 
         self.mlflow, self.uri = mlflow, cfg.tracking_uri
@@ -283,21 +298,17 @@ class Loggers:
 def build(cfg: LoggersConfig, run_dir: Path, start_step: int, config: dict[str, Any]) -> Loggers:
     """The chosen loggers, started. One that cannot start raises LoggerError naming it; the
     ones started before it are closed."""
-    timeout_s = config.get("dist", {}).get("timeout_s", 180)
-    starters = {
-        "tensorboard": lambda: TensorBoard(run_dir, start_step),
-        "wandb": lambda: Wandb(cfg.wandb, run_dir, config),
-        "mlflow": lambda: Mlflow(cfg.mlflow, run_dir, config, timeout_s),
-    }
     started = Loggers({})
     for name in cfg.chosen():
-        if name not in starters:  # csv: metrics.csv alone, which RunRecord writes
-            continue
+        chosen = getattr(cfg, name)
+        start = builder_of(chosen)
         try:
-            started.named[name] = starters[name]()
+            logger = start(chosen, run_dir, start_step, config)
         except Exception as err:
             started.close()
-            where = getattr(getattr(cfg, name), "tracking_uri", None)
+            where = getattr(chosen, "tracking_uri", None)
             at = f" ({where})" if where else ""
             raise LoggerError(f"logger.{name}: could not start{at}: {cause(err)}") from err
+        if logger is not None:
+            started.named[name] = logger
     return started

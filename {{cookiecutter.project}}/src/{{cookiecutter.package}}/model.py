@@ -1,11 +1,16 @@
-"""The models: an MLP classifier and a GPT-style decoder. Swap in your own; the trainer needs only
-an nn.Module whose output's last dimension holds the class (or next-token) logits."""
+"""The models: an MLP classifier and a GPT-style decoder. Add your own beside them (the README's
+"Adding a model, a dataset or a logger"): the trainer needs only an nn.Module whose output's last
+dimension holds the class (or next-token) logits, registered with @builds(its schema); a
+flops_per_token() method gives its MFU."""
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import GptConfig, MlpConfig, PointsConfig, TokensConfig
+from .config import DataConfig, GptConfig, MlpConfig, PointsConfig, TokensConfig
+from .registry import builder_of, builds
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -16,6 +21,7 @@ def matmul_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in looked_up)
 
 
+@builds(MlpConfig)
 class Mlp(nn.Sequential):
     """Linear layers with GELU between them; one sample is one token of FLOPs accounting."""
 
@@ -63,6 +69,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+@builds(GptConfig)
 class Gpt(nn.Module):
     """Token and position embeddings, pre-norm transformer blocks with causal self-attention, a
     final layer norm and a linear head over the vocabulary (untied from the token embedding)."""
@@ -89,6 +96,7 @@ class Gpt(nn.Module):
         return 6 * matmul_parameters(self) + 12 * layers * width * context
 
 
-def build_model(cfg: MlpConfig | GptConfig, data: PointsConfig | TokensConfig) -> nn.Module:
-    """check.ConfigCheck has made sure the model and data options fit together."""
-    return Gpt(cfg, data) if isinstance(cfg, GptConfig) else Mlp(cfg, data)
+def build_model(cfg: Any, data: DataConfig) -> nn.Module:
+    """The model option's builder, given its schema and the data's. check.ConfigCheck has made
+    sure the model and data options fit together (config.check_combinations)."""
+    return builder_of(cfg)(cfg, data)
