@@ -128,7 +128,7 @@ def template_ms(
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)
     if trainer.train():  # stopped by a signal: every later timing would stop at once too
-        sys.exit(trainer.checkpointer.preemption.signals.exit_code)
+        sys.exit(trainer.preemption.signals.exit_code)
     if not world.main:
         return float("nan")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

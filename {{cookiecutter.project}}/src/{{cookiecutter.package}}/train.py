@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import PROJECT, checkpoint, failfast, metrics, nccl, probe
+from . import PROJECT, checkpoint, failfast, metrics, nccl, probe, stopping
 from .config import (
     TrainConfig,
     exit_with_error,
@@ -164,7 +164,7 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: list[str]) -> None:
     world = World.from_env()
-    signals = checkpoint.SIGNALS  # installed in __main__: until the steps run, a stop is at once
+    signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)
     device = select_device(cfg, world)
@@ -242,7 +242,7 @@ def end_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def stop_quietly(signals: checkpoint.StopSignals) -> NoReturn:
+def stop_quietly(signals: stopping.StopSignals) -> NoReturn:
     """A collective failed because a peer stopped for a stop signal, which reached this process
     too: that is the stop, not a failure to explain. Rank 0 says so in one line."""
     signals.say(signals.stopped_line())
@@ -265,6 +265,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    checkpoint.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
+    stopping.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
     sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
     main()
