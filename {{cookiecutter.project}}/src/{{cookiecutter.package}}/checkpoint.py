@@ -2,9 +2,9 @@
 
 The Checkpointer decides when to save (every trainer.checkpoint_every steps, at the last step, and
 at a step its caller forces: the Trainer's stop, stopping.py), what a checkpoint holds, how to
-load one, and which to keep. Rank 0 writes
-`<run dir>/checkpoints/step_<N>.pt` atomically (temp file in the same directory, fsync, rename).
-A relaunch with the same run dir resumes from the newest one that reads back.
+load one, and which to keep. Rank 0 writes `<run dir>/checkpoints/step_<N>.pt` atomically (temp
+file in the same directory, fsync, rename). A relaunch with the same run dir resumes from the
+newest one that reads back.
 """
 
 from __future__ import annotations
