@@ -1,16 +1,14 @@
-"""The Checkpointer in-process with one CPU process (no process group, or a gloo group of one):
-what is kept, what is never deleted, what a checkpoint gives back, and how a stop signal is agreed
-on. The loop's own guards are in test_trainer.py."""
+"""The Checkpointer in-process with one CPU process, no process group: what is kept, what is
+never deleted, what a checkpoint gives back, and when it writes. How a stop signal is agreed on is
+in test_stopping.py, the loop's own guards in test_trainer.py."""
 
 import errno
 import logging
 import os
 import random
-import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddp_project import checkpoint
 from ddp_project.checkpoint import Checkpointer, Diverged, Progress
@@ -90,72 +88,24 @@ def test_non_finite_weights_are_never_written(tmp_path):
     assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
 
 
+def test_a_forced_save_writes_off_the_schedule_but_never_while_checkpoints_are_off(tmp_path):
+    """The step the ranks agreed to stop at is rarely a multiple of `every`: the Trainer forces
+    the write there. With checkpoint_every=0 nothing is written, forced or not."""
+    saver = checkpointer(tmp_path / "on", torch.nn.Linear(4, 2), every=10)
+    saver.save(7)
+    assert not (tmp_path / "on" / "checkpoints").exists()
+    saver.save(7, force=True)
+    assert names(tmp_path / "on") == ["step_000000007.pt"]
+    off = checkpointer(tmp_path / "off", torch.nn.Linear(4, 2), every=0)
+    off.save(7, last_step=True, force=True)
+    assert not (tmp_path / "off" / "checkpoints").exists()
+
+
 def test_progress_round_trips_through_its_state():
     progress = Progress(7, 2, 5)
     restored = Progress()
     restored.load_state_dict(progress.state_dict())
     assert restored == progress and checkpoint.step_of(checkpoint.Path("step_000000042.pt")) == 42
-
-
-# --- stopping on a signal -----------------------------------------------------------------
-
-
-@pytest.fixture
-def lone_group():
-    """A gloo group of this process alone: the exchange runs for real, with one voice."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-def stop_delay(monkeypatch, group, step_times: list[float], signal_at: int) -> float:
-    """Seconds, on a fake clock, from a SIGTERM before step `signal_at` (0: the first) of a run
-    resumed at step 4000 to the end of the step every rank agrees to stop at."""
-    clock, signals = FakeClock(), checkpoint.StopSignals()
-    monkeypatch.setattr(checkpoint, "time", clock)
-    preemption = checkpoint.Preemption(group, World(size=2), signals)  # the exchange path
-    clock.now += 3  # loading the checkpoint, starting the loader: no steps
-    resumed = 4000
-    assert preemption.start(resumed) is False
-    try:
-        for i, seconds in enumerate(step_times):
-            if i == signal_at:
-                signals.signum, signalled = signal.SIGTERM, clock.now
-            clock.now += seconds
-            if preemption.agreed(resumed + i + 1):
-                return clock.now - signalled
-    finally:
-        preemption.close()
-    raise AssertionError("never stopped")
-
-
-def test_after_a_resume_a_stop_comes_within_two_exchange_periods(monkeypatch, lone_group):
-    """The pace counts only steps run in this process: the old one counted every step since 0
-    as just done, and after a resume at 4000 put the next exchange thousands of steps away."""
-    steady = [0.005] * 5000
-    delays = [stop_delay(monkeypatch, lone_group, steady, at) for at in range(0, 1500, 37)]
-    assert max(delays) <= 2 * checkpoint.EXCHANGE_EVERY_S + 0.005
-
-
-def test_a_slow_or_fast_start_misleads_the_interval_by_little(monkeypatch, lone_group):
-    """Step times change as a run warms up (compile, loader workers starting) or as a GPU's
-    queue fills: the interval grows at most twofold per exchange, from 1."""
-    slow_start = [2.0] * 3 + [0.002] * 5000
-    assert stop_delay(monkeypatch, lone_group, slow_start, 0) <= 2 * 2.0  # two slow steps
-    after = [stop_delay(monkeypatch, lone_group, slow_start, at) for at in range(3, 1500, 37)]
-    assert max(after) <= 2 * checkpoint.EXCHANGE_EVERY_S + 0.01
-    fast_then_slow = [0.0001] * 300 + [0.01] * 3000
-    delays = [stop_delay(monkeypatch, lone_group, fast_then_slow, at) for at in range(0, 900, 13)]
-    assert max(delays) <= 2.5
 
 
 class FullDisk:
@@ -225,35 +175,3 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
     assert all(torch.equal(before[key], after[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
     assert torch.equal(torch.rand(3), expected_rng[0]) and random.random() == expected_rng[1]
-
-
-def test_a_rank_that_got_no_signal_stops_for_its_peers_and_exits_with_its_code(monkeypatch):
-    """Ctrl-C reached rank 1 only: rank 0 stops at the same step, and says and exits as it."""
-
-    class Done:
-        def wait(self) -> None:
-            pass
-
-    def all_reduce(tensor, op, group=None, async_op=False):  # rank 1 sends SIGINT
-        tensor[0] = max(int(tensor[0]), signal.SIGINT)
-        return Done() if async_op else None
-
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    signals = checkpoint.StopSignals()
-    preemption = checkpoint.Preemption(None, World(rank=0, size=2), signals)
-    try:
-        assert preemption.start(40) is True
-    finally:
-        preemption.close()
-    assert signals.name == "SIGINT" and signals.exit_code == 130
-
-
-def test_the_line_of_a_stop_with_nothing_to_save_says_whether_a_step_ran(tmp_path):
-    signals = checkpoint.StopSignals()
-    signals.signum, signals.run_dir = signal.SIGINT, tmp_path
-    assert signals.stopped_line() == (
-        "SIGINT: stopped before the first step, nothing new to save; "
-        f"to go on, relaunch with hydra.run.dir={tmp_path}"
-    )
-    checkpoint.Preemption(None, ONE, signals).agreed(1)  # a step ran
-    assert signals.stopped_line().startswith("SIGINT: stopped after the last step")

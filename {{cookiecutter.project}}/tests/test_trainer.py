@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddp_project import checkpoint, metrics
+from ddp_project import metrics, stopping
 from ddp_project.checkpoint import Checkpointer, Diverged
 from ddp_project.trainer import Trainer, Window
 from ddp_project.world import World
@@ -87,7 +87,7 @@ def test_clipping_bounds_the_gradients_the_optimizer_sees_and_logs_the_norm(trai
 def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_for, caplog):
     trainer_for("trainer.max_steps=5", "trainer.checkpoint_every=5").train()
     resumed = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
-    signals = resumed.checkpointer.preemption.signals = checkpoint.StopSignals()
+    signals = resumed.preemption.signals = stopping.StopSignals()
     signals.signum = signal.SIGTERM  # came while the checkpoint loaded
     with caplog.at_level(logging.WARNING):
         assert resumed.train() is True
@@ -98,7 +98,7 @@ def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_f
 
 def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
     trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=0")
-    signals = trainer.checkpointer.preemption.signals = checkpoint.StopSignals()
+    signals = trainer.preemption.signals = stopping.StopSignals()
     step = trainer.step
 
     def step_then_ctrl_c(*args, **kwargs):
@@ -112,6 +112,27 @@ def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
     assert trainer.progress.step == 3 and signals.exit_code == 130
     assert "SIGINT: stopped at step 3 (checkpoints are off)" in caplog.text
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+
+def test_sigterm_between_checkpoints_saves_at_the_step_it_stops_at(trainer_for, caplog):
+    """The Trainer owns the stop: the step the ranks agree on is off the Checkpointer's
+    schedule, and the Trainer has it saved there."""
+    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
+    signals = trainer.preemption.signals = stopping.StopSignals()
+    step = trainer.step
+
+    def step_then_sigterm(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.progress.step == 6:  # during step 7
+            signal.raise_signal(signal.SIGTERM)
+
+    trainer.step = step_then_sigterm
+    with caplog.at_level(logging.WARNING):
+        assert trainer.train() is True
+    assert trainer.progress.step == 7 and signals.exit_code == 143
+    assert checkpoint_names(trainer.run_dir) == ["step_000000005.pt", "step_000000007.pt"]
+    assert "SIGTERM: stopped at step 7 with a checkpoint" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
 
 
 def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):

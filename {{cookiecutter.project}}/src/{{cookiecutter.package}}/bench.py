@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import allreduce, check, compilation, ddp, perf, train
-from .config import TrainConfig
+from . import allreduce, check, compilation, ddp, perf, process_group, train
+from .config import TrainConfig, uses_cuda
 from .data import build_dataset
 from .doctor import Parser, at_least, root_cause, seconds
 from .exits import Exit
@@ -130,7 +130,7 @@ def template_ms(
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)
     if trainer.train():  # stopped by a signal: every later timing would stop at once too
-        sys.exit(trainer.checkpointer.preemption.signals.exit_code)
+        sys.exit(trainer.preemption.signals.exit_code)
     if not world.main:
         return float("nan")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -168,59 +168,58 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
     profile = check.choice("nccl", overrides)
     train.apply_nccl_env(cfg, world, profile, scratch)
-    device = train.select_device(cfg, world)
-    train.init_process_group(cfg, world, device)
-    control = train.control_group(cfg, world)
-    sizes = sorted({1, world.size})
-    times = {n: {"template": [], "reference": []} for n in sizes}
-    for pair in range(pairs):
-        for n in sizes:
-            on = replace(world, size=n, local_size=min(n, world.local_size))
-            order = ["reference", "template"] if pair % 2 == 0 else ["template", "reference"]
-            for loop in order:
-                ms = float("nan")
-                if world.rank < n:  # 1 GPU: rank 0 alone, the others wait
-                    if loop == "template":
-                        run_dir = scratch / f"template-{n}-{pair}"
-                        ms = template_ms(cfg, on, device, control, run_dir, warmup, steps)
-                    else:
-                        ms = reference_ms(cfg, on, device, warmup, steps)
-                    gc.collect()  # DDP's reducer holds cycles: free its memory now
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                dist.barrier(group=control)
-                times[n][loop].append(round(ms, 4))
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data)
-    parameters = sum(p.numel() for p in model.parameters())
-    flops = getattr(model, "flops_per_token", None)
-    gradients = gradient_allreduce(parameters, device, world) if world.size > 1 else None
-    if world.main:
-        cuda = device.type == "cuda"
-        result = {
-            "overrides": overrides,
-            "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "nccl_profile": profile if cuda else None,
-            "processes": world.size,
-            "parameters": parameters,
-            "batch_per_process": cfg.data.batch_size * cfg.trainer.grad_accumulation,
-            "tokens_per_sample": getattr(model, "tokens_per_sample", 1),
-            "flops_per_token": flops() if flops else None,
-            "peak_flops": perf.peak_flops(torch.cuda.get_device_name(device)) if cuda else None,
-            "precision": cfg.trainer.precision.value if cuda else "fp32",
-            "pairs": pairs,
-            "warmup_steps": warmup,
-            "timed_steps": steps,
-            "window_steps": window,
-            "step_ms": {str(n): loops for n, loops in times.items()},
-            "gradient_allreduce": gradients,
-        }
-        print("BENCH " + json.dumps(result), flush=True)
-    gc.collect()
-    dist.barrier()  # gloo can abort at exit if a peer is still tearing down (see train.main_worker)
-    dist.destroy_process_group()
+    device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+    with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
+        control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
+        sizes = sorted({1, world.size})
+        times = {n: {"template": [], "reference": []} for n in sizes}
+        for pair in range(pairs):
+            for n in sizes:
+                on = replace(world, size=n, local_size=min(n, world.local_size))
+                order = ["reference", "template"] if pair % 2 == 0 else ["template", "reference"]
+                for loop in order:
+                    ms = float("nan")
+                    if world.rank < n:  # 1 GPU: rank 0 alone, the others wait
+                        if loop == "template":
+                            run_dir = scratch / f"template-{n}-{pair}"
+                            ms = template_ms(cfg, on, device, control, run_dir, warmup, steps)
+                        else:
+                            ms = reference_ms(cfg, on, device, warmup, steps)
+                        gc.collect()  # DDP's reducer holds cycles: free its memory now
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    dist.barrier(group=control)
+                    times[n][loop].append(round(ms, 4))
+        with torch.device("meta"):
+            model = build_model(cfg.model, cfg.data)
+        parameters = sum(p.numel() for p in model.parameters())
+        flops = getattr(model, "flops_per_token", None)
+        gradients = gradient_allreduce(parameters, device, world) if world.size > 1 else None
+        if world.main:
+            cuda = device.type == "cuda"
+            gpu = torch.cuda.get_device_name(device) if cuda else None
+            result = {
+                "overrides": overrides,
+                "device": gpu or platform.processor() or "cpu",
+                "torch": torch.__version__,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                "nccl_profile": profile if cuda else None,
+                "processes": world.size,
+                "parameters": parameters,
+                "batch_per_process": cfg.data.batch_size * cfg.trainer.grad_accumulation,
+                "tokens_per_sample": getattr(model, "tokens_per_sample", 1),
+                "flops_per_token": flops() if flops else None,
+                "peak_flops": perf.peak_flops(gpu) if cuda else None,
+                "precision": cfg.trainer.precision.value if cuda else "fp32",
+                "pairs": pairs,
+                "warmup_steps": warmup,
+                "timed_steps": steps,
+                "window_steps": window,
+                "step_ms": {str(n): loops for n, loops in times.items()},
+                "gradient_allreduce": gradients,
+            }
+            print("BENCH " + json.dumps(result), flush=True)
+        process_group.finish_together()
 
 
 # --- the figures: pure functions of the worker's times --------------------------------------

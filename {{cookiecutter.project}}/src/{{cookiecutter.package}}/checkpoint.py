@@ -1,27 +1,21 @@
 """Lose at most the work since the last checkpoint, and never a good checkpoint.
 
 The Checkpointer decides when to save (every trainer.checkpoint_every steps, at the last step, and
-at the step every rank agrees to stop at after SIGTERM, which Kubernetes sends before SIGKILL),
-what a checkpoint holds, how to load one, and which to keep. Rank 0 writes
-`<run dir>/checkpoints/step_<N>.pt` atomically (temp file in the same directory, fsync, rename).
-A relaunch with the same run dir resumes from the newest one that reads back.
+at a step its caller forces: the Trainer's stop, stopping.py), what a checkpoint holds, how to
+load one, and which to keep. Rank 0 writes `<run dir>/checkpoints/step_<N>.pt` atomically (temp
+file in the same directory, fsync, rename). A relaunch with the same run dir resumes from the
+newest one that reads back.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import random
 import re
-import signal
-import socket
 import tempfile
-import threading
-import time
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .exits import Exit, for_signal
+from .exits import Exit
 from .failfast import NO_WATCHDOG, Heartbeat
 from .world import World
 
@@ -193,8 +187,6 @@ class Checkpointer:
         self.run_dir, self.every, self.keep = run_dir, every, keep
         self.world, self.group, self.states, self.config = world, group, states, config
         self.watchdog = watchdog
-        self.preemption = Preemption(group, world)
-        self.preempted = False
         self.readable: dict[tuple[str, int, int], bool] = {}  # (name, size, mtime) -> reads back
         self.warned: set[str] = set()
         self.newest: Path | None = None  # the newest checkpoint loaded or written
@@ -247,14 +239,13 @@ class Checkpointer:
     # --- saving ---------------------------------------------------------------------------
 
     def due(self, step: int, last_step: bool = False) -> bool:
-        """Whether save() writes at this step, unless a stop signal makes it."""
+        """Whether save() writes at this step by the schedule, unless it is forced."""
         return self.enabled and (last_step or step % self.every == 0)
 
-    def save(self, step: int, last_step: bool = False) -> None:
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> None:
         """Call once per step, after it. Saves every `every` steps, at the last step, and when
-        the ranks agree to stop after SIGTERM (then `preempted` is set)."""
-        self.preempted = self.preemption.agreed(step)
-        if self.due(step, last_step) or (self.enabled and self.preempted):
+        forced (the step the ranks agreed to stop at); never while checkpoints are off."""
+        if self.due(step, last_step) or (self.enabled and force):
             self.write(step)
 
     def write(self, step: int) -> None:
@@ -357,250 +348,3 @@ class Checkpointer:
         for path in readable:
             if path not in kept:
                 path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        self.preemption.close()
-
-
-EXCHANGE_EVERY_S = 0.25  # how often the ranks compare notes on a stop signal
-MAX_INTERVAL = 10_000  # steps between exchanges, at most
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # Kubernetes and torchrun; Ctrl-C
-
-
-class StopSignals:
-    """SIGTERM and SIGINT, from a worker's start to its end; one per process (SIGNALS).
-
-    While steps run (inside deferred()), a signal is a request: Preemption turns it into a step
-    that every rank agrees to stop at, with a checkpoint there. Before the first step is done
-    (undeferred(): it may be compiling for minutes) and after the last there is nothing new to
-    save, so the process ends at once, with one line from rank 0.
-    That exit comes from a thread woken by the signal itself (a wakeup fd): Python runs handlers
-    in the main thread only, and that may wait in C for long (a rendezvous, the gate).
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None  # the first stop signal received
-        self.depth = 0  # deferred() nesting: > 0 while steps run
-        self.stepped = False  # a step has run: a stop now comes "after the last step"
-        self.said = False  # the stop's line is out
-        self.settled = False  # the steps ended with a signal known: their caller stops
-        self.run_dir: Path | None = None  # named in the line, once known
-        self.main = True  # whether this process prints the line (global rank 0)
-        self.previous: dict[int, Any] | None = None
-        self.previous_wakeup = -1
-        self.writer: socket.socket | None = None
-        self.lock = threading.Lock()
-        self.received = threading.Event()
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum or signal.SIGTERM).name
-
-    @property
-    def exit_code(self) -> int:
-        return for_signal(self.signum or signal.SIGTERM)
-
-    def install(self, main: bool = True) -> bool:
-        """Take SIGTERM and SIGINT (main thread only). False if they were taken already."""
-        if self.previous is not None:
-            return False
-        reader, self.writer = socket.socketpair()
-        self.writer.setblocking(False)
-        self.previous_wakeup = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
-        self.previous = {signum: signal.signal(signum, self.handle) for signum in STOP_SIGNALS}
-        self.main = main
-        watcher = threading.Thread(target=self.watch, args=(reader,), name="stop-signals")
-        watcher.daemon = True
-        watcher.start()
-        return True
-
-    def uninstall(self) -> None:
-        """Hand the signals back (in-process users: bench, tests)."""
-        if self.previous is None:
-            return
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        signal.set_wakeup_fd(self.previous_wakeup)
-        self.previous = None
-        self.writer.close()  # the watching thread reads the end and stops
-
-    def handle(self, signum: int, frame: Any) -> None:
-        """The request only, so that the step just run sees it; the signal's byte on the wakeup
-        fd wakes the watching thread, which does the rest. A handler runs in the main thread
-        between bytecodes, possibly while that thread holds the lock note() takes (or an
-        Event's): taking one here could wait forever."""
-        if self.signum is None:
-            self.signum = signum
-
-    def watch(self, reader: socket.socket) -> None:
-        with reader:
-            while data := reader.recv(64):  # a byte per signal; others' too (SIGCHLD)
-                for signum in data:
-                    if signum in STOP_SIGNALS:
-                        self.note(signum)
-
-    def note(self, signum: int) -> None:
-        with self.lock:
-            if self.signum is None:
-                self.signum = signum
-            # Steps that ended knowing of a signal leave the exit to their caller; after
-            # uninstall() (bench, tests) the signal is no longer this object's to act on.
-            now = self.depth == 0 and not self.settled and self.previous is not None
-        self.received.set()
-        if now:
-            self.say(self.stopped_line())
-            os._exit(self.exit_code)
-
-    def say(self, line: str) -> None:
-        """Rank 0's one line about the stop; once, whoever says it first."""
-        with self.lock:
-            said, self.said = self.said, True
-        if self.main and not said:
-            log.warning(line)
-
-    def adopt(self, signum: int) -> bool:
-        """The signal the ranks agreed to stop for (0: none), as this rank's own if it got none:
-        every rank then reports it and exits with its code. Whether to stop."""
-        if signum:
-            with self.lock:
-                if self.signum is None:
-                    self.signum = signum
-            self.received.set()
-        return bool(signum)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        """While steps run: a signal waits for the ranks to agree on a step."""
-        with self.lock:
-            self.depth += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.depth -= 1
-                self.settled = self.settled or (self.depth == 0 and self.signum is not None)
-
-    @contextmanager
-    def undeferred(self) -> Iterator[None]:
-        """A stretch of deferred() with nothing new to save: the first step after a start or a
-        resume, which torch.compile can make minutes long. A signal ends the process at once, as
-        before the steps, rather than waiting past a pod's grace period to save nothing new."""
-        with self.lock:
-            depth, self.depth = self.depth, 0
-            now = self.signum is not None and not self.settled and self.previous is not None
-        if now:  # it came since the exchange before the first step
-            self.say(self.stopped_line())
-            os._exit(self.exit_code)
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.depth += depth
-
-    def stopped_line(self) -> str:
-        """For a stop with nothing new to save."""
-        when = "after the last step" if self.stepped else "before the first step"
-        go_on = f"; to go on, relaunch with hydra.run.dir={self.run_dir}" if self.run_dir else ""
-        return f"{self.name}: stopped {when}, nothing new to save{go_on}"
-
-    def explains(self, wait_s: float = 2.0) -> bool:
-        """Whether a stop signal came, waiting up to wait_s for one: a collective that failed
-        because a peer stopped for a signal that this process gets a moment later (torchrun
-        signals every worker) is no failure to report."""
-        return self.received.wait(timeout=wait_s)
-
-
-SIGNALS = StopSignals()
-
-
-class Preemption:
-    """A stop signal asks to stop; agreed() makes every rank stop at the same step.
-
-    start() asks every rank once before the first step. Then the ranks exchange the flag on a
-    CPU group: an all-reduce started at one exchange is read at the next, so it runs in the
-    background of the steps in between. Exchanges are `interval` steps apart, an interval agreed
-    in the exchange itself, so that they come about EXCHANGE_EVERY_S apart whatever the step
-    time: a stop follows the signal within about two intervals, and a short step carries no
-    per-step exchange. Each rank proposes an interval from the pace of the steps it ran since
-    the last exchange, never from steps a checkpoint brought in, and at most twice the steps it
-    measured: the interval grows from 1 as the pace is learnt, so a slow first step (a resume,
-    compile, loader workers starting) or a fast one misleads it by a factor 2 at most.
-    """
-
-    def __init__(
-        self, group: dist.ProcessGroup | None, world: World, signals: StopSignals = SIGNALS
-    ) -> None:
-        self.group = group  # a CPU (gloo) group: the exchange costs no GPU synchronisation
-        self.world, self.signals = world, signals
-        self.pending: dist.Work | None = None
-        self.flag = torch.zeros(2, dtype=torch.int64)
-        self.next_exchange: int | None = None  # the step of the next exchange
-        self.last: tuple[int, float] | None = None  # step and time of the last exchange
-        self.steps: ExitStack | None = None  # while steps run: installed, deferred
-
-    @property
-    def requested(self) -> bool:
-        return self.signals.requested
-
-    def start(self, step: int) -> bool:
-        """Before the first step (`step` done): whether a rank was asked to stop already, in one
-        blocking exchange. From here on a signal waits for agreed()."""
-        self.steps = ExitStack()
-        if self.signals.install(main=self.world.main):
-            self.steps.callback(self.signals.uninstall)
-        self.steps.enter_context(self.signals.deferred())
-        stop = self.signals.requested
-        if self.world.size > 1:
-            flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            stop = self.signals.adopt(int(flag.item()))
-        self.last, self.next_exchange = (step, time.monotonic()), step + 1
-        return stop
-
-    def agreed(self, step: int) -> bool:
-        """Every rank calls this after every step; all get True at the same step."""
-        self.signals.stepped = True
-        if self.world.size == 1:
-            return self.signals.requested
-        if self.next_exchange is not None and step < self.next_exchange:
-            return False
-        interval = 1
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            signum, negative_interval = self.flag.tolist()
-            if self.signals.adopt(signum):
-                return True
-            interval = -negative_interval
-        # Propose the next interval from this rank's pace; the all-reduce takes the smallest
-        # proposal (MAX of the negatives) and any rank's stop signal, in one message.
-        now, proposal = time.monotonic(), 1
-        if self.last is not None:
-            last_step, last_time = self.last
-            done = step - last_step
-            pace = done / max(now - last_time, 1e-6)  # steps per second
-            proposal = max(1, min(MAX_INTERVAL, 2 * done, math.floor(pace * EXCHANGE_EVERY_S)))
-        self.last = (step, now)
-        self.flag = torch.tensor([self.signals.signum or 0, -proposal], dtype=torch.int64)
-        self.pending = dist.all_reduce(
-            self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-        )
-        self.next_exchange = step + interval
-        return False
-
-    def close(self, wait: bool = True) -> None:
-        """Finish the exchange in flight before the group is used for anything else (unless
-        the run failed: a peer may never answer it); from here on a signal ends the process at
-        once, with nothing left to save."""
-        try:
-            if self.pending is not None and wait:
-                self.pending.wait()
-            self.pending = None
-        finally:
-            if self.steps is not None:
-                self.steps.close()
-                self.steps = None

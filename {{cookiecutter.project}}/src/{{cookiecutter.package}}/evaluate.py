@@ -18,7 +18,6 @@ import pickle
 import sys
 import warnings
 import zipfile
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from . import checkpoint
+from . import checkpoint, process_group
 from .config import (
     EVALUATE_SETS,
     ConfigError,
@@ -202,13 +201,8 @@ def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: Wor
         cfg, world, batch_given=any(o.startswith("data.batch_size=") for o in overrides)
     )
     cuda = uses_cuda(cfg.dist.backend)
-    device = torch.device("cuda", world.local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    standalone = {} if world.launched else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s),
-                            device_id=device if cuda else None, **standalone)  # fmt: skip
-    try:
+    device = process_group.select_device(cuda, world)
+    with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
         with device:
             model = build_model(cfg.model, cfg.data)
         try:
@@ -238,8 +232,6 @@ def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: Wor
                 sums[2] += labels.numel()
         dist.all_reduce(sums)
         loss_sum, correct, predictions = sums.tolist()
-    finally:
-        dist.destroy_process_group()
     return {
         "checkpoint": str(path),
         "step": state["step"],

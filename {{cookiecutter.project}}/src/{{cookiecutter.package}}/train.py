@@ -12,13 +12,11 @@ Hydra composes configs/train.yaml once per process and check.ConfigCheck validat
 run dir exists. Rank and world size come from torchrun's environment, read once (World).
 """
 
-import gc
 import logging
 import os
 import signal
 import sys
 import threading
-from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import PROJECT, checkpoint, failfast, metrics, nccl, probe
+from . import PROJECT, checkpoint, failfast, metrics, nccl, probe, process_group, stopping
 from .config import (
     TrainConfig,
     exit_with_error,
@@ -66,33 +64,6 @@ def apply_nccl_env(cfg: TrainConfig, world: World, profile: str, run_dir: Path) 
         for warning in decision.warnings:
             log.warning(warning)
     return decision
-
-
-def select_device(cfg: TrainConfig, world: World) -> torch.device:
-    if not uses_cuda(cfg.dist.backend):
-        return torch.device("cpu")
-    device = torch.device("cuda", world.local_rank)
-    torch.cuda.set_device(device)
-    return device
-
-
-def init_process_group(cfg: TrainConfig, world: World, device: torch.device) -> None:
-    # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
-    standalone = {} if world.launched else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(seconds=cfg.dist.timeout_s),
-        device_id=device if device.type == "cuda" else None,  # make the NCCL communicator now
-        **standalone,
-    )
-
-
-def control_group(cfg: TrainConfig, world: World) -> dist.ProcessGroup | None:
-    """Control messages (stop? which checkpoint? done writing?) go over the CPU, with time for
-    rank 0 to write a checkpoint while the others wait."""
-    if world.size == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.checkpoint_timeout_s))
 
 
 def report_collective_failure(
@@ -164,71 +135,72 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
 
 def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: list[str]) -> None:
     world = World.from_env()
-    signals = checkpoint.SIGNALS  # installed in __main__: until the steps run, a stop is at once
+    signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
-    decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)
-    device = select_device(cfg, world)
-    init_process_group(cfg, world, device)
+    decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)  # before the group is made
+    device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+    exit_code = 0
+    with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
 
-    def fail(failure: failfast.CollectiveFailure) -> NoReturn:
-        # A peer that ended for a stop signal this process gets too (torchrun signals them all).
-        if failure.cause is failfast.Cause.peer_died and signals.explains(wait_s=2.0):
-            stop_quietly(signals)
-        report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
-        logging.shutdown()
-        # No destroy_process_group here: on a wedged communicator it can hang for good.
-        os._exit(Exit.COLLECTIVE_FAILED)
+        def fail(failure: failfast.CollectiveFailure) -> NoReturn:
+            # A peer that ended for a stop signal this process gets too (torchrun signals them all).
+            if failure.cause is failfast.Cause.peer_died and signals.explains(wait_s=2.0):
+                stop_quietly(signals)
+            report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
+            logging.shutdown()
+            # os._exit skips destroying the group: on a wedged communicator that can hang for good.
+            os._exit(Exit.COLLECTIVE_FAILED)
 
-    # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
-    watchdog = failfast.StallWatchdog(cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail)
-    orphan_watch = failfast.LauncherWatch(stop_when_orphaned) if world.launched else None
-    phase, exit_code = failfast.GATE_PHASE, 0
-    try:
-        failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
-        phase = "training"
-        if world.main:
-            log.info(
-                "%s run %s: world size %d, backend %s, gate all-reduce passed, run dir %s",
-                PROJECT, run_dir.name, world.size, dist.get_backend(), run_dir,
-            )  # fmt: skip
-            if device.type == "cpu":
-                report_cpu_settings(cfg)
-        control = control_group(cfg, world)
-        trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
+        # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
+        watchdog = failfast.StallWatchdog(
+            cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail
+        )
+        orphan_watch = failfast.LauncherWatch(stop_when_orphaned) if world.launched else None
+        phase = failfast.GATE_PHASE
         try:
-            trainer.resume()  # before config.yaml: a refused resume leaves the run's as it was
-            with signals.deferred():  # a signal now waits for train() to agree on a step
+            failfast.gate(device, timeout_s=min(cfg.dist.gate_timeout_s, cfg.dist.timeout_s))
+            phase = "training"
+            if world.main:
+                log.info(
+                    "%s run %s: world size %d, backend %s, gate all-reduce passed, run dir %s",
+                    PROJECT, run_dir.name, world.size, dist.get_backend(), run_dir,
+                )  # fmt: skip
+                if device.type == "cpu":
+                    report_cpu_settings(cfg)
+            control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
+            trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
+            try:
+                trainer.resume()  # before config.yaml: a refused resume leaves the run's as it was
+                with signals.deferred():  # a signal now waits for train() to agree on a step
+                    if world.main:
+                        metrics.save_config(cfg, run_dir, overrides)
+                    if trainer.train():  # stopped by a signal: after a checkpoint, or before a step
+                        end_now(signals.exit_code)
+            except checkpoint.Diverged as err:
                 if world.main:
-                    metrics.save_config(cfg, run_dir, overrides)
-                if trainer.train():  # stopped by a signal: after a checkpoint, or before a step
-                    end_now(signals.exit_code)
-        except checkpoint.Diverged as err:
+                    report_divergence(err, cfg, trainer.checkpointer.newest)
+                exit_code = err.exit
+            except checkpoint.Incompatible as err:  # every rank loads the same checkpoint
+                if world.main:
+                    print(f"config error: {err}", file=sys.stderr, flush=True)
+                exit_code = err.exit
+            except checkpoint.CheckpointFailed as err:  # every rank hears it from rank 0
+                if world.main:
+                    print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
+                exit_code = err.exit
+            del trainer
+            process_group.finish_together()
             if world.main:
-                report_divergence(err, cfg, trainer.checkpointer.newest)
-            exit_code = err.exit
-        except checkpoint.Incompatible as err:  # every rank loads the same checkpoint
-            if world.main:
-                print(f"config error: {err}", file=sys.stderr, flush=True)
-            exit_code = err.exit
-        except checkpoint.CheckpointFailed as err:  # every rank hears it from rank 0
-            if world.main:
-                print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-            exit_code = err.exit
-        del trainer
-        gc.collect()  # drop DDP's reducer and the DataLoader workers before the barrier
-        dist.barrier()
-        if world.main:
-            metrics.plot_and_log(run_dir)
-    except Exception as err:
-        failure = failfast.as_collective_failure(err, phase, dist.get_backend())
-        if failure is None:
-            raise
-        fail(failure)
-    finally:
-        watchdog.stop()
-        if orphan_watch:
-            orphan_watch.stop()
-        dist.destroy_process_group()
+                metrics.plot_and_log(run_dir)
+        except Exception as err:
+            failure = failfast.as_collective_failure(err, phase, dist.get_backend())
+            if failure is None:
+                raise
+            fail(failure)
+        finally:
+            watchdog.stop()
+            if orphan_watch:
+                orphan_watch.stop()
     if exit_code:
         sys.exit(exit_code)
 
@@ -242,7 +214,7 @@ def end_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def stop_quietly(signals: checkpoint.StopSignals) -> NoReturn:
+def stop_quietly(signals: stopping.StopSignals) -> NoReturn:
     """A collective failed because a peer stopped for a stop signal, which reached this process
     too: that is the stop, not a failure to explain. Rank 0 says so in one line."""
     signals.say(signals.stopped_line())
@@ -265,6 +237,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    checkpoint.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
+    stopping.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
     sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
     main()

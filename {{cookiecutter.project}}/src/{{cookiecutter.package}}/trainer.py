@@ -32,6 +32,7 @@ from .config import OnNonFinite, Precision, TrainConfig
 from .data import build_dataset, build_loader, epoch_batches
 from .failfast import NO_WATCHDOG, Heartbeat
 from .model import build_model
+from .stopping import Preemption
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class Trainer:
             config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
             watchdog=watchdog,
         )
+        self.preemption = Preemption(control, world)  # the step a stop signal ends the run at
         self.window = Window(device, step=0)
         self.resumed = False
         # MFU's terms, fixed for the run: a model of your own without flops_per_token() logs none.
@@ -166,17 +168,17 @@ class Trainer:
         try:
             stopped = self.run_steps()
         except (Diverged, CheckpointFailed):
-            self.checkpointer.close()  # every rank stops at the same step: the exchange ends
+            self.preemption.close()  # every rank stops at the same step: the exchange ends
             raise
         except BaseException:
-            self.checkpointer.preemption.close(wait=False)  # a peer may never answer it
+            self.preemption.close(wait=False)  # a peer may never answer it
             raise
-        self.checkpointer.close()
+        self.preemption.close()
         return stopped
 
     def run_steps(self) -> bool:
         max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
-        preemption = self.checkpointer.preemption
+        preemption = self.preemption
         if preemption.start(self.progress.step):  # asked to stop already
             preemption.signals.say(preemption.signals.stopped_line())
             return True
@@ -219,8 +221,9 @@ class Trainer:
                         # A resume keeps the rows up to its checkpoint: this one goes first.
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
-                    self.checkpointer.save(step, last_step=step == max_steps)
-                    if self.checkpointer.preempted:
+                    stop = preemption.agreed(step)  # every rank: the same step, or none
+                    self.checkpointer.save(step, last_step=step == max_steps, force=stop)
+                    if stop:
                         write_row()
                         self.report_stop(step)
                         return True
@@ -362,7 +365,7 @@ class Trainer:
         }
 
     def report_stop(self, step: int) -> None:
-        signals = self.checkpointer.preemption.signals
+        signals = self.preemption.signals
         saved = " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)"
         signals.say(
             f"{signals.name}: stopped at step {step}{saved}; to resume, relaunch with "
