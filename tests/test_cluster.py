@@ -128,13 +128,13 @@ PLATFORM_SETTINGS = [
 # would for each (its check included): 12 renders of the command line would take a minute.
 RENDER_ALL = """
 import json, sys
-from ddp_project.check import load_config
+from ddp_project.check import compose_and_check
 from ddp_project.k8s import checks, render
 from ddp_project.k8s.__main__ import deploy_and_profile
 from ddp_project.k8s.flavors import FLAVORS
 from ddp_project.k8s.pods import nccl_env
 from ddp_project.config import hydra_overrides
-deploy, profile = deploy_and_profile(load_config(hydra_overrides(sys.argv[1:]), this_node=False))
+deploy, profile = deploy_and_profile(compose_and_check(hydra_overrides(sys.argv[1:]), this_node=False))
 out = {}
 for flavor in FLAVORS:
     for nodes in (1, 2, 4):

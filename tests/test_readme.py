@@ -283,8 +283,8 @@ def drive(jobs_file: str) -> None:
                     code = 0 if parsed.module and found else 1
                     parsed = {"overrides": parsed.training_script_args}
                 elif job["how"] == "check-folder":
-                    check = __import__(job["module"], fromlist=["load_config"])
-                    check.load_config([], Path("configs"))
+                    check = __import__(job["module"], fromlist=["compose_and_check"])
+                    check.compose_and_check([], Path("configs"))
                 else:
                     runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
         except Stop as stop:

@@ -44,9 +44,9 @@ def profiled(run, steps: int) -> tuple[float, collections.Counter, int]:
 def main() -> None:
     overrides = sys.argv[1:]
     world = World.from_env()
-    cfg = check.load_config(overrides)
+    cfg = check.compose_and_check(overrides)
     scratch = Path(tempfile.mkdtemp())
-    train.apply_nccl_env(cfg, world, check.choice("nccl", overrides), scratch)
+    train.apply_nccl_env(cfg, world, scratch)
     device = train.select_device(cfg, world)
     train.init_process_group(cfg, world, device)
     control = train.control_group(cfg, world)

@@ -108,13 +108,13 @@ def lightning_ms(cfg, world: World, device: torch.device, typical: bool, scratch
 def main() -> None:
     overrides = sys.argv[1:]
     world = World.from_env()
-    cfg = bench.timed(check.load_config(overrides))  # every loop timed over the same windows
+    cfg = bench.timed(check.compose_and_check(overrides))  # every loop timed over the same windows
     assert cfg.trainer.precision in AUTOCAST, "Lightning runs bf16-mixed here"
     window = cfg.trainer.log_every
     warmup, steps = bench.whole_windows(WARMUP, window), bench.whole_windows(STEPS, window)
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
         scratch = Path(tmp)
-        train.apply_nccl_env(cfg, world, check.choice("nccl", overrides), scratch)
+        train.apply_nccl_env(cfg, world, scratch)
         device = train.select_device(cfg, world)
         train.init_process_group(cfg, world, device)
         control = train.control_group(cfg, world)

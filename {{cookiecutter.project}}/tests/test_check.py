@@ -1,5 +1,6 @@
 """Every config error is one line that names the key and what is allowed, before anything starts."""
 
+import logging
 import re
 import subprocess
 import sys
@@ -214,9 +215,9 @@ NCCL_FORMS = [
 @pytest.mark.parametrize(("overrides", "env"), NCCL_FORMS, ids=[o for o, _ in NCCL_FORMS])
 def test_nccl_values_work_as_nccl_writes_them(overrides, env):
     from ddp_project import nccl
-    from ddp_project.check import load_config
+    from ddp_project.check import compose_and_check
 
-    config = load_config(["nccl=nccl_default", *overrides.split()])
+    config = compose_and_check(["nccl=nccl_default", *overrides.split()])
     assert nccl.decide(config.nccl, None, inherited={}).env == env
 
 
@@ -246,6 +247,31 @@ def configs_copy(tmp_path):
     return configs
 
 
+@pytest.mark.parametrize("profile", ["auto", "nccl_default", "pcie_safe", "socket", "infiniband"])
+def test_the_config_names_the_nccl_profile_it_was_composed_with(profile):
+    """What the NCCL report, a failure's remedy block and the bench show, and k8s writes to."""
+    from ddp_project.check import compose_and_check
+
+    assert compose_and_check([f"nccl={profile}"], this_node=False).nccl.profile == profile
+
+
+def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy):
+    """Set on the command line, or a profile file copied from another without its name changed."""
+    from ddp_project.check import compose_and_check, describe
+    from ddp_project.config import ConfigError
+
+    assert config_problem(["nccl=pcie_safe", "nccl.profile=socket"]) == (
+        "nccl.profile=socket: must be pcie_safe, the name of the profile nccl=pcie_safe chose; "
+        "keep `profile: pcie_safe` in configs/nccl/pcie_safe.yaml, and choose a profile with "
+        "nccl=<name>"
+    )
+    nccl = configs_copy / "nccl"
+    (nccl / "mine.yaml").write_text((nccl / "socket.yaml").read_text())
+    with pytest.raises(ConfigError) as failure:
+        compose_and_check(["nccl=mine"], configs_copy)
+    assert describe(failure.value).startswith("nccl.profile=socket: must be mine, the name of")
+
+
 NOT_YAML = [
     (b"trainer:\n\tmax_steps: 3\n",
      "line 2, column 1: not YAML: found character '\\t' that cannot start any token (indent YAML with spaces)"),
@@ -271,12 +297,12 @@ NOT_YAML = [
 def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
-    from ddp_project.check import describe, load_config
+    from ddp_project.check import compose_and_check, describe
     from ddp_project.config import ConfigError
 
     (configs_copy / "local" / "default.yaml").write_bytes(text)
     with pytest.raises(ConfigError) as failure:
-        load_config([], configs_copy)
+        compose_and_check([], configs_copy)
     where = f"{configs_copy / 'local' / 'default.yaml'}"
     assert describe(failure.value) == where + ("" if message.startswith(":") else ", ") + message
 
@@ -299,12 +325,12 @@ def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuse
 
 
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
-    from ddp_project.check import load_config
+    from ddp_project.check import compose_and_check
     from ddp_project.config import ConfigError
 
     (configs_copy / "local" / "default.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):
-        load_config([], configs_copy)
+        compose_and_check([], configs_copy)
 
 
 def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
@@ -365,3 +391,49 @@ def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys
         getattr(ConfigCheck(), hook)(config=bad, task_function=None)  # as Hydra calls them
     assert stopped.value.code == 2
     assert capsys.readouterr().err == "config error: trainer.max_steps=-1: must be at least 1\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "jobs"),
+    [(["nccl=socket"], 1), (["-m", "nccl=socket", "trainer.seed=1,2"], 2)],
+    ids=["run", "sweep"],
+)
+def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
+    """train's main under Hydra, in this process as `python -m` runs it: ConfigCheck checks each
+    job's config once (the deploy checks with it), and RunDirGuard and main take its result. A
+    sweep checks its base config too, before any job starts."""
+    from ddp_project import check, config, rundir, train
+
+    checked, deploy_checks, trained = [], [], []
+    real_check, real_deploy_errors = check.check_composed, config.deploy_errors
+
+    def counted_check(cfg, **kwargs):
+        checked.append(real_check(cfg, **kwargs))
+        return checked[-1]
+
+    def counted_deploy_errors(values):
+        deploy_checks.append(values)
+        return real_deploy_errors(values)
+
+    monkeypatch.setattr(check, "check_composed", counted_check)
+    monkeypatch.setattr(config, "deploy_errors", counted_deploy_errors)
+    monkeypatch.setattr(train, "main_worker", lambda cfg, run_dir, overrides: trained.append(cfg))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train", *argv, "hydra.run.dir=run", "hydra.sweep.dir=sweep"])
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        train.main()
+    finally:  # Hydra's job logging and the run dir's lock: this process goes on
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:], root.level = handlers, level
+        for held in [tmp_path / "run", *(tmp_path / "sweep").glob("*")]:
+            rundir.release(held)
+    sweep_base = 1 if jobs > 1 else 0
+    assert len(checked) == len(deploy_checks) == jobs + sweep_base
+    assert len(trained) == jobs
+    assert all(a is b for a, b in zip(trained, checked[sweep_base:], strict=True))
+    assert [cfg.nccl.profile for cfg in trained] == ["socket"] * jobs  # the name, in the config
+    if jobs > 1:  # each job ran with its own checked config
+        assert [cfg.trainer.seed for cfg in trained] == [1, 2]

@@ -12,7 +12,7 @@ from ddp_project.config import (
     Backend,
     ConfigError,
     TrainConfig,
-    to_train_config,
+    check_composed,
 )
 
 PROFILE_ENV = {
@@ -123,13 +123,13 @@ def test_more_processes_than_gpus_is_refused(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
     with pytest.raises(ConfigError, match=re.escape(message)):
-        to_train_config(compose_train(f"dist.backend={backend}"))
+        check_composed(compose_train(f"dist.backend={backend}"))
 
 
 def test_gloo_ignores_gpu_count(compose_train, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert to_train_config(compose_train("dist.backend=gloo")).dist.backend is Backend.gloo
+    assert check_composed(compose_train("dist.backend=gloo")).dist.backend is Backend.gloo
 
 
 def test_a_local_override_file_applies_after_the_experiment(tmp_path):

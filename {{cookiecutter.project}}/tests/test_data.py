@@ -10,7 +10,7 @@ import pytest
 from conftest import PACKAGE
 
 from ddp_project import config
-from ddp_project.check import config_problem, load_config
+from ddp_project.check import compose_and_check, config_problem
 from ddp_project.config import ConfigError, check_data
 from ddp_project.data import prepare
 from ddp_project.world import World
@@ -144,7 +144,7 @@ def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
 
 
 def test_evaluation_checks_the_held_out_samples_not_a_training_batch(monkeypatch):
-    cfg = load_config(["data.num_samples=1000"])
+    cfg = compose_and_check(["data.num_samples=1000"])
     cfg.data.batch_size = 100000  # more than training has: fine for evaluation's short last batch
     with pytest.raises(ConfigError, match="data.batch_size=100000: each of 1 process"):
         check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1))
@@ -164,7 +164,7 @@ def test_from_saved_passes_held_out_to_the_data_check():
     from omegaconf import OmegaConf
 
     saved = OmegaConf.to_container(
-        OmegaConf.structured(load_config(["data.num_samples=1000"])), enum_to_str=True
+        OmegaConf.structured(compose_and_check(["data.num_samples=1000"])), enum_to_str=True
     )
     with pytest.raises(ConfigError, match="training samples"):
         config.from_saved(saved, ["data.batch_size=100000"])

@@ -222,13 +222,13 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     assert (out / f"{deploy_defaults()['flavor']}.yaml").exists()
     import torch
 
-    from ddp_project.check import load_config
+    from ddp_project.check import compose_and_check
     from ddp_project.config import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert load_config(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"
+    assert compose_and_check(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"
     with pytest.raises(ConfigError, match="no CUDA device is visible"):
-        load_config(["dist.backend=nccl"])  # what train and the launcher check
+        compose_and_check(["dist.backend=nccl"])  # what train and the launcher check
 
 
 def deploy_of(compose_train, *overrides: str) -> dict:
@@ -510,7 +510,7 @@ def test_ctrl_c_while_rendering_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(check, "load_or_exit", interrupted)
+    monkeypatch.setattr(check, "compose_and_check_or_exit", interrupted)
     monkeypatch.setattr(sys, "argv", ["k8s", "--check"])
     assert cli.run() == 130
     assert capsys.readouterr().err == (

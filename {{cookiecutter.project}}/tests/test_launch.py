@@ -422,14 +422,14 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     """SIGTERM while the launcher composed the config killed it silently (exit -15), leaving
     the run dir it had made to check it."""
     monkeypatch.chdir(tmp_path)
-    real = launcher.check.load_or_exit
+    real = launcher.check.compose_and_check_or_exit
 
     def signalled(overrides):
         config = real(overrides)
         os.kill(os.getpid(), signum)  # the handler raises here, as at any point of the check
         return config
 
-    monkeypatch.setattr(launcher.check, "load_or_exit", signalled)
+    monkeypatch.setattr(launcher.check, "compose_and_check_or_exit", signalled)
     no_torchrun(monkeypatch)
     code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
     assert code == 128 + signum

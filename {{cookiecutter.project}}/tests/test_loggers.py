@@ -256,4 +256,4 @@ def test_train_checks_the_loggers_in_every_process_before_the_run_dir_exists(
 def test_rendering_for_a_cluster_does_not_ask_this_machine_for_logger_packages(monkeypatch):
     """k8s/ is rendered on a laptop for the image's pods: what is installed here does not count."""
     monkeypatch.setitem(sys.modules, "wandb", None)
-    assert check.load_config(["logger=wandb"], this_node=False).logger.chosen() == ["wandb"]
+    assert check.compose_and_check(["logger=wandb"], this_node=False).logger.chosen() == ["wandb"]

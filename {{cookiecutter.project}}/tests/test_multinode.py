@@ -147,7 +147,7 @@ def rendered_pods(flavor: str, gpus: int, *deploy: str) -> dict:
     """The pods' manifest object (Job, JobSet or PyTorchJob) and its trainer container, rendered
     as `python -m <pkg>.k8s` renders it for NODES nodes, with the `deploy` overrides; in this
     process, because that command writes its overrides into the project's configs/."""
-    config = check.load_config(
+    config = check.compose_and_check(
         [
             f"deploy.flavor={flavor}",
             f"deploy.nodes={NODES}",

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddp_project import evaluate, registry
-from ddp_project.check import load_config
+from ddp_project.check import compose_and_check
 from ddp_project.config import (
     HELD_OUT,
     ConfigError,
@@ -93,26 +93,28 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
     configs, tmp_path
 ):
     toy = ["model=toy", "data=signs", "dist.backend=gloo", "logger=csv"]
-    config = load_config(toy, configs)
+    config = compose_and_check(toy, configs)
     assert isinstance(config.model, ToyConfig) and isinstance(config.data, SignsConfig)
     assert (config.model.bias, config.data.width) == (True, 4)
 
     # Checked: the schema's own check, and what the model reads (config.check_combinations).
     with pytest.raises(ConfigError, match=r"^data.width=0: must be at least 1$"):
-        load_config([*toy, "data.width=0"], configs)
+        compose_and_check([*toy, "data.width=0"], configs)
     with pytest.raises(ConfigError, match=r"^model: a toy reads signed points; use data=signs$"):
-        load_config(["model=toy", "dist.backend=gloo", "logger=csv"], configs)
+        compose_and_check(["model=toy", "dist.backend=gloo", "logger=csv"], configs)
     with pytest.raises(
         ConfigError, match=r"^model: an MLP reads labelled points; use data=synthetic$"
     ):
-        load_config(["data=signs", "dist.backend=gloo", "logger=csv"], configs)
+        compose_and_check(["data=signs", "dist.backend=gloo", "logger=csv"], configs)
 
     # Trained, with its FLOPs per token for the MFU column.
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     steps = ["trainer.max_steps=20", "trainer.log_every=10", "trainer.checkpoint_every=20",
              "trainer.lr=0.05"]  # fmt: skip
-    trainer = Trainer(load_config([*toy, *steps], configs), World(), torch.device("cpu"), run_dir)
+    trainer = Trainer(
+        compose_and_check([*toy, *steps], configs), World(), torch.device("cpu"), run_dir
+    )
     assert trainer.flops_per_token == 6 * 2 * 4
     assert trainer.train() is False  # ran to the end
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -164,7 +164,7 @@ def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may
     assert launcher.main(["train", "--nproc-per-node", "1", "trainer.max_steps=30",
                           "trainer.lr=0.001", "hydra.run.dir=run"]) == 0  # fmt: skip
     assert len(started) == 1
-    assert rundir.resume_problem(trained / "run", check.load_config(["trainer.max_steps=30",
+    assert rundir.resume_problem(trained / "run", check.compose_and_check(["trainer.max_steps=30",
                                  "trainer.lr=0.001"])) is None  # fmt: skip
 
 
@@ -239,11 +239,10 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_start
 
 def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
     """A finished run relaunched as it was (a Job's pod restarted after the end) is no error."""
-    assert (
-        rundir.resume_problem(trained / "run", check.load_config(["trainer.max_steps=10"])) is None
-    )
+    same = check.compose_and_check(["trainer.max_steps=10"])
+    assert rundir.resume_problem(trained / "run", same) is None
     assert "below step 10" in rundir.resume_problem(
-        trained / "run", check.load_config(["trainer.max_steps=9"])
+        trained / "run", check.compose_and_check(["trainer.max_steps=9"])
     )
 
 
@@ -258,14 +257,15 @@ def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
     (tmp_path / "run").mkdir()
     try:
         holder.stdout.readline()
-        problem = rundir.problem(tmp_path / "run", check.load_config([]))
-        free = rundir.problem(tmp_path / "run", check.load_config([]), busy=False)
+        config = check.compose_and_check([])
+        problem = rundir.problem(tmp_path / "run", config)
+        free = rundir.problem(tmp_path / "run", config, busy=False)
     finally:
         holder.kill()
         holder.wait()
     assert problem.startswith(f"hydra.run.dir={tmp_path / 'run'}: in use by pid {holder.pid}")
     assert free is None  # several nodes: the workers' guard decides
-    assert rundir.problem(tmp_path / "run", check.load_config([])) is None  # its holder is gone
+    assert rundir.problem(tmp_path / "run", config) is None  # its holder is gone
 
 
 @pytest.mark.parametrize(
@@ -291,7 +291,7 @@ def test_accept_changes_takes_keys_and_groups_of_the_schema(entries):
 
 def test_an_accepted_group_accepts_each_key_in_it(trained):
     saved = checkpoint.read(checkpoint.checkpoint_paths(trained / "run")[-1])["config"]
-    config = check.load_config(["trainer.seed=1", "trainer.lr=0.1"])
+    config = check.compose_and_check(["trainer.seed=1", "trainer.lr=0.1"])
     assert [key for key, _, _ in rundir.changes_on_resume(saved, config)] == [
         "trainer.lr",
         "trainer.seed",

@@ -163,11 +163,10 @@ def whole_windows(steps: int, window: int) -> int:
 
 def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: int) -> None:
     world = World.from_env()
-    cfg = timed(check.load_config(overrides))
+    cfg = timed(check.compose_and_check(overrides))
     window = cfg.trainer.log_every
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
-    profile = check.choice("nccl", overrides)
-    train.apply_nccl_env(cfg, world, profile, scratch)
+    train.apply_nccl_env(cfg, world, scratch)
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
         control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
@@ -203,7 +202,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                 "device": gpu or platform.processor() or "cpu",
                 "torch": torch.__version__,
                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-                "nccl_profile": profile if cuda else None,
+                "nccl_profile": cfg.nccl.profile if cuda else None,
                 "processes": world.size,
                 "parameters": parameters,
                 "batch_per_process": cfg.data.batch_size * cfg.trainer.grad_accumulation,
@@ -394,7 +393,7 @@ def main() -> int:
         )
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
-    check.load_or_exit(args.overrides)
+    check.compose_and_check_or_exit(args.overrides)
     try:
         report = figures(launch(args, nproc))
     except BenchFailed as failure:

@@ -3,7 +3,8 @@
     python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
 
 train runs the same check (ConfigCheck) once Hydra has composed its config, before any run dir or
-process group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts.
+process group exists, once per job: RunDirGuard and train's main take its result (job_config,
+task_config). The launcher, which the Kubernetes pods run, runs it before torchrun starts.
 Its exit code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every
 failure as 1). It reads what train reads: every configs/ file as YAML, the overrides as
 config.hydra_overrides rewrites them, and a token file (config.token_file_problem).
@@ -18,12 +19,14 @@ import re
 import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import NamedTuple
 
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import loggers
@@ -31,12 +34,11 @@ from .config import (
     ConfigError,
     LoggersConfig,
     TrainConfig,
+    check_composed,
     configs_folder,
     exit_with_error,
     hydra_overrides,
     register_configs,
-    to_train_config,
-    typed,
     yaml_problem,
 )
 from .exits import Exit
@@ -80,8 +82,9 @@ def configs_at(folder: Path | None) -> AbstractContextManager:
     return initialize_config_dir(config_dir=str(folder.resolve()), version_base="1.3")
 
 
-def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False) -> DictConfig:
-    """configs/train.yaml composed with `overrides` as train reads them (config.hydra_argv)."""
+def compose_train(overrides: list[str], folder: Path | None) -> DictConfig:
+    """configs/train.yaml composed with `overrides` as train reads them (config.hydra_argv), with
+    Hydra's node as a run has it (check_composed reads the chosen NCCL profile there)."""
     problem = yaml_problem(folder or configs_folder())
     if problem:
         raise ConfigError(problem)
@@ -89,7 +92,7 @@ def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False
     with configs_at(folder):
         try:
             return compose(
-                config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=hydra
+                config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=True
             )
         except MissingConfigException as err:
             raise ConfigError(unknown_option(err)) from None
@@ -100,14 +103,28 @@ def compose_train(overrides: list[str], folder: Path | None, hydra: bool = False
             raise ConfigError(problem) from None
 
 
-def load_config(
+def compose_and_check(
     overrides: list[str], folder: Path | None = None, this_node: bool = True
 ) -> TrainConfig:
-    """The config that train composes with `overrides`, checked; raises on a bad one."""
-    config = to_train_config(compose_train(overrides, folder), this_node=this_node)
+    """The config train would run with `overrides`, composed here and checked (the loggers too);
+    raises on a bad one. For code that has overrides, not a composed config: the tests, and the
+    commands through compose_and_check_or_exit. A DictConfig already composed:
+    config.check_composed."""
+    config = check_composed(compose_train(overrides, folder), this_node=this_node)
     if this_node:
         check_loggers(config)
     return config
+
+
+def compose_and_check_or_exit(
+    overrides: list[str], folder: Path | None = None, this_node: bool = True
+) -> TrainConfig:
+    """compose_and_check for a command (the launcher, k8s, bench): a bad config is one
+    `config error:` line and exit 2 (config.exit_with_error)."""
+    try:
+        return compose_and_check(overrides, folder, this_node)
+    except CONFIG_ERRORS as err:
+        exit_with_error(f"config error: {describe(err)}")
 
 
 def unknown_option(err: MissingConfigException) -> str:
@@ -140,11 +157,6 @@ def check_loggers(config: TrainConfig) -> None:
     loggers.check(config.logger, timeout_s=min(loggers.PROBE_S, config.dist.timeout_s))
 
 
-def choice(group: str, overrides: list[str], folder: Path | None = None) -> str:
-    """The option of a config group that train composes with `overrides`, e.g. nccl -> auto."""
-    return compose_train(overrides, folder, hydra=True).hydra.runtime.choices[group]
-
-
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
 
 
@@ -155,34 +167,62 @@ def describe(err: Exception) -> str:
 def config_problem(overrides: list[str]) -> str | None:
     """None if the config composed with `overrides` is valid, else one line naming the key."""
     try:
-        load_config(overrides)
+        compose_and_check(overrides)
     except CONFIG_ERRORS as err:
         return describe(err)
     return None
 
 
-class ConfigCheck(Callback):
-    """Hydra calls this (configs/train.yaml, hydra.callbacks) after composing a run's config and
-    before it creates the run dir: a bad value stops every rank in one line, leaving nothing."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        try:
-            check_loggers(typed(config))
-        except CONFIG_ERRORS as err:
-            exit_with_error(f"config error: {describe(err)}")
-
-    on_multirun_start = on_run_start  # the sweep's base config
-    on_job_start = on_run_start  # each job of a sweep, with its own overrides
+class CheckedJob(NamedTuple):
+    composed: DictConfig  # the config Hydra passes the callbacks, its hydra node included
+    config: TrainConfig
 
 
-def load_or_exit(
-    overrides: list[str], folder: Path | None = None, this_node: bool = True
-) -> TrainConfig:
-    """The checked config, or one `config error:` line and exit 2 (config.exit_with_error)."""
+_job: CheckedJob | None = None  # the job this process runs now, as ConfigCheck checked it
+
+
+def checked_or_exit(composed: DictConfig) -> TrainConfig:
+    """A job's composed config, checked, or one `config error:` line and exit 2 on every rank."""
     try:
-        return load_config(overrides, folder, this_node)
+        config = check_composed(composed)
+        check_loggers(config)
     except CONFIG_ERRORS as err:
         exit_with_error(f"config error: {describe(err)}")
+    return config
+
+
+class ConfigCheck(Callback):
+    """Hydra calls this (configs/train.yaml, hydra.callbacks) after composing a run's config and
+    before it creates the run dir: a bad value stops every rank in one line, leaving nothing.
+    It checks each job's config once and keeps the result for RunDirGuard and main."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        global _job
+        _job = CheckedJob(config, checked_or_exit(config))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        checked_or_exit(config)  # the sweep's base config: a bad one starts no job
+
+    def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
+        if _job is None or _job.composed is not config:  # a run's job: checked on_run_start
+            self.on_run_start(config)  # each job of a sweep, with its own overrides
+
+
+def job_config(composed: DictConfig) -> TrainConfig:
+    """The checked config of the job Hydra passed the callbacks `composed` for: ConfigCheck's
+    (the callback before RunDirGuard), or checked now where ConfigCheck did not run."""
+    if _job is not None and _job.composed is composed:
+        return _job.config
+    return check_composed(composed)
+
+
+def task_config(task: DictConfig) -> TrainConfig:
+    """main's config: Hydra gives the task function a copy of the job's config without its hydra
+    node, so the job is known by its output dir. ConfigCheck's result, or checked now."""
+    checked_dir = OmegaConf.select(_job.composed, "hydra.runtime.output_dir") if _job else None
+    if checked_dir is not None and checked_dir == HydraConfig.get().runtime.output_dir:
+        return _job.config
+    return check_composed(task)
 
 
 def main() -> int:

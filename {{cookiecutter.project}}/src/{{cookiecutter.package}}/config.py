@@ -485,7 +485,7 @@ class DistConfig:
 @dataclass
 class NcclConfig:
     """One field per NCCL variable (see nccl.FIELD_VARS); None leaves the variable alone, so a
-    profile in configs/nccl/ lists only what it sets."""
+    profile in configs/nccl/ lists only what it sets, and its own name (profile)."""
 
     auto: bool = False  # fill in transport variables from the node's facts
     p2p_disable: Optional[bool] = None
@@ -499,6 +499,7 @@ class NcclConfig:
     debug_subsys: Optional[str] = None
     # Any other NCCL_*, TORCH_NCCL_* or GLOO_* variable: nccl.env.NCCL_ALGO=Ring, nccl.env.GLOO_SOCKET_IFNAME=eth0 (null: leave it unset)
     env: Dict[str, Optional[str]] = field(default_factory=dict)
+    profile: Optional[str] = None  # the profile's name: each configs/nccl/<name>.yaml sets its own
 
     def __post_init__(self) -> None:
         errors = nccl.config_errors(self)
@@ -689,21 +690,40 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
             check_keys(child, f"{prefix}{key}.")
 
 
-def to_train_config(
+def check_composed(
     cfg: DictConfig, world: World | None = None, this_node: bool = True, held_out: bool = False
 ) -> TrainConfig:
-    """The composed config as typed objects, checked; ConfigError names the bad key.
+    """A config already composed (by Hydra for a run, by check.compose_and_check, from a
+    checkpoint) as typed objects, checked; ConfigError names the bad key. The `hydra` node of a
+    run's config is not ours: it is left out, and only says which NCCL profile was chosen.
     this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
     held_out=True checks the data for evaluation rather than training (check_data)."""
     world = world or World.from_env()
+    chosen = OmegaConf.select(cfg, "hydra.runtime.choices.nccl")
+    if "hydra" in cfg:
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.pop("hydra")
     check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
+    if chosen is not None:
+        check_profile_name(config.nccl, chosen)
     if this_node:
         check_devices(config, world)
     check_data(config, world, held_out)
     check_combinations(config)
     check_accept_changes(config)
     return config
+
+
+def check_profile_name(profile: NcclConfig, chosen: str) -> None:
+    """nccl.profile names the profile in force, in logs, failure reports and the bench's figures:
+    it must be the one that nccl=<name> chose."""
+    require(
+        profile.profile == chosen, "nccl.profile", profile.profile,
+        f"must be {chosen}, the name of the profile nccl={chosen} chose; keep `profile: {chosen}` "
+        f"in configs/nccl/{chosen}.yaml, and choose a profile with nccl=<name>",
+    )  # fmt: skip
 
 
 def config_keys(node: Any, prefix: str = "") -> set[str]:
@@ -758,15 +778,7 @@ def from_saved(saved: dict[str, Any], overrides: list[str], held_out: bool = Fal
         cfg.merge_with_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(" ".join(str(err).split())) from None
-    return to_train_config(cfg, held_out=held_out)
-
-
-def typed(cfg: DictConfig) -> TrainConfig:
-    """A config Hydra composed for a run (with its `hydra` node, which is not ours), checked."""
-    task = copy.deepcopy(cfg)
-    with open_dict(task):
-        task.pop("hydra", None)
-    return to_train_config(task)
+    return check_composed(cfg, held_out=held_out)
 
 
 # What NCCL reads as comma lists (NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_IB_HCA=mlx5_0,mlx5_1, and

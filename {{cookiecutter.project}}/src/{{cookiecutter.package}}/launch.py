@@ -607,7 +607,7 @@ def launch(args: list[str]) -> int:
     if one_node:  # its launch names the run (several nodes: config.run_name)
         os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
     os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
-    config = check.load_or_exit(overrides)  # as the workers will compose it
+    config = check.compose_and_check_or_exit(overrides)  # as the workers will compose it
     # With several nodes, the default dir's name is the rendezvous's: only an explicit one is known.
     run_dir = planned_run_dir(overrides) if one_node else explicit_run_dir(overrides)
     made_here = run_dir is not None and not rundir.present(run_dir)

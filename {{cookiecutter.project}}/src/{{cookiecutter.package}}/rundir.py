@@ -26,13 +26,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint
+from .check import job_config
 from .config import (
     FREE_ON_RESUME,
     ConfigError,
     TrainConfig,
     exit_with_error,
     marked_keys,
-    typed,
 )
 from .world import World
 
@@ -301,7 +301,7 @@ def guard(
     if message is None and World.from_env().main:
         try:
             acquire(run_dir, place=place)
-            message = resume_problem(run_dir, typed(config), place)
+            message = resume_problem(run_dir, job_config(config), place)
         except RunDirError as err:
             message = str(err)
     if message:

@@ -8,8 +8,8 @@
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train experiment=gpt2_small
     python -m {{ cookiecutter.package }}.train --cfg job                          # print the composed config
 
-Hydra composes configs/train.yaml once per process and check.ConfigCheck validates it before the
-run dir exists. Rank and world size come from torchrun's environment, read once (World).
+Hydra composes configs/train.yaml once per process and check.ConfigCheck validates it, once, before
+the run dir exists; main runs with that checked config. Rank and world size come from torchrun's environment, read once (World).
 """
 
 import logging
@@ -27,12 +27,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import PROJECT, checkpoint, failfast, metrics, nccl, probe, process_group, stopping
+from .check import task_config
 from .config import (
     TrainConfig,
     exit_with_error,
     hydra_argv,
     register_configs,
-    typed,
     uses_cuda,
 )
 from .exits import Exit
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
 
 
-def apply_nccl_env(cfg: TrainConfig, world: World, profile: str, run_dir: Path) -> nccl.Decision:
+def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path) -> nccl.Decision:
     """NCCL reads its variables once, when the first communicator is made: write them first."""
     facts = (
         probe.shared_node_facts(run_dir, world.local_rank) if cfg.nccl.auto else probe.basic_facts()
@@ -60,7 +60,7 @@ def apply_nccl_env(cfg: TrainConfig, world: World, profile: str, run_dir: Path) 
     if world.main and cuda:  # over gloo none of this is used: say nothing of it
         if cfg.nccl.auto:
             log.info("node probe: %s", facts.summary())
-        log.info("NCCL environment (nccl=%s):\n%s", profile, decision.report())
+        log.info("NCCL environment (nccl=%s):\n%s", cfg.nccl.profile, decision.report())
         for warning in decision.warnings:
             log.warning(warning)
     return decision
@@ -71,7 +71,6 @@ def report_collective_failure(
     cfg: TrainConfig,
     world: World,
     decision: nccl.Decision,
-    profile: str,
     run_dir: Path,
 ) -> None:
     if failfast.claim_report(run_dir):
@@ -81,7 +80,7 @@ def report_collective_failure(
             backend=dist.get_backend(),
             timeout_s=cfg.dist.timeout_s,
             decision=decision,
-            profile=profile,
+            profile=cfg.nccl.profile,
             launch=f"{PROJECT} train --nproc-per-node {world.local_size}",
             package=__package__,
             trace_prefix=decision.env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""),
@@ -133,11 +132,11 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
         )
 
 
-def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: list[str]) -> None:
+def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     world = World.from_env()
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
-    decision = apply_nccl_env(cfg, world, nccl_profile, run_dir)  # before the group is made
+    decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
     exit_code = 0
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
@@ -146,7 +145,7 @@ def main_worker(cfg: TrainConfig, run_dir: Path, nccl_profile: str, overrides: l
             # A peer that ended for a stop signal this process gets too (torchrun signals them all).
             if failure.cause is failfast.Cause.peer_died and signals.explains(wait_s=2.0):
                 stop_quietly(signals)
-            report_collective_failure(failure, cfg, world, decision, nccl_profile, run_dir)
+            report_collective_failure(failure, cfg, world, decision, run_dir)
             logging.shutdown()
             # os._exit skips destroying the group: on a wedged communicator that can hang for good.
             os._exit(Exit.COLLECTIVE_FAILED)
@@ -230,10 +229,10 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:
-    """Hydra has composed the config; check.ConfigCheck has validated it."""
+    """Hydra has composed the config; check.ConfigCheck has checked it."""
     hydra_cfg = HydraConfig.get()
-    run_dir, profile = Path(hydra_cfg.runtime.output_dir), hydra_cfg.runtime.choices["nccl"]
-    main_worker(typed(cfg), run_dir, profile, list(hydra_cfg.overrides.task))
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    main_worker(task_config(cfg), run_dir, list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main() -> int:
     # without this one's overrides, or configs/ without its.
     with sync.locked(folder):
         # deploy_errors() included: exit 2, one line. The pods' GPUs are not this machine's.
-        cfg = check.load_or_exit(args.overrides, folder, this_node=False)
+        cfg = check.compose_and_check_or_exit(args.overrides, folder, this_node=False)
         deploy, profile = deploy_and_profile(cfg)
         rendered = render.manifests(deploy, nccl_env(profile))
         if args.check:
@@ -86,8 +86,7 @@ def main() -> int:
                 print(f"error: no configs/ here to write the overrides to: run {command} in the project",
                       file=sys.stderr)  # fmt: skip
                 return Exit.CONFIG_ERROR
-            composed = {"deploy": deploy, "nccl": profile,
-                        "profile": check.choice("nccl", args.overrides, folder)}  # fmt: skip
+            composed = {"deploy": deploy, "nccl": profile, "profile": cfg.nccl.profile}
             try:
                 written = persist.persist(args.overrides, composed, folder)
             except (ValueError, OSError) as err:
