@@ -96,7 +96,7 @@ EXPECTED_FILES = {
     "src/{package}/k8s/sync.py",
     "src/{package}/launch.py",
     "src/{package}/loggers.py",
-    "src/{package}/logs.py",
+    "src/{package}/log_filter.py",
     "src/{package}/metrics.py",
     "src/{package}/model.py",
     "src/{package}/nccl.py",

@@ -247,11 +247,11 @@ def test_requests_and_limits_scale_with_the_gpus(compose_train):
         compose_train, "deploy.gpus_per_node=3", "deploy.cpu_per_gpu=1500m",
         "deploy.memory_per_gpu=10Gi", "deploy.shm_size=1536Mi", "deploy.ephemeral_storage=20Gi",
     )  # fmt: skip
-    assert pods.resources(deploy) == {
+    assert pods.container_resources(deploy) == {
         "requests": {"cpu": "4500m", "memory": "32256Mi", "ephemeral-storage": "20Gi"},
         "limits": {"nvidia.com/gpu": 3, "memory": "32256Mi"},  # 3 x 10Gi + /dev/shm
     }
-    assert pods.resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
+    assert pods.container_resources(deploy | {"cpu_per_gpu": 2})["requests"]["cpu"] == "6"
 
 
 def pod_template(workload: dict, flavor: str) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..exits import FAIL_AT_ONCE
-from .meta import labels, optional, resource
+from .meta import labels, manifest, optional
 from .pods import (
     COMMAND,
     POD_IP,
@@ -76,7 +76,7 @@ def job(deploy: Deploy, env: Env) -> dict:
     backoff_limit = deploy["backoff_limit"] * deploy["nodes"]
     spec = job_spec(deploy, env, backoff_limit, rendezvous_host=f"{name}-0.{name}")
     spec = optional(ttlSecondsAfterFinished=deploy["ttl_after_finished_s"]) | spec
-    return resource("batch/v1", "Job", deploy, spec, queued=True)
+    return manifest("batch/v1", "Job", deploy, spec, queued=True)
 
 
 def service(deploy: Deploy) -> dict:
@@ -87,7 +87,7 @@ def service(deploy: Deploy) -> dict:
         "selector": {"job-name": deploy["name"]},
         "ports": [{"name": "rendezvous", "port": deploy["rdzv_port"]}],
     }
-    return resource("v1", "Service", deploy, spec)
+    return manifest("v1", "Service", deploy, spec)
 
 
 def jobset(deploy: Deploy, env: Env) -> dict:
@@ -122,7 +122,7 @@ def jobset(deploy: Deploy, env: Env) -> dict:
             }
         ],
     }
-    return resource("jobset.x-k8s.io/v1alpha2", "JobSet", deploy, spec, queued=True)
+    return manifest("jobset.x-k8s.io/v1alpha2", "JobSet", deploy, spec, queued=True)
 
 
 def pytorchjob(deploy: Deploy, env: Env) -> dict:
@@ -165,7 +165,7 @@ def pytorchjob(deploy: Deploy, env: Env) -> dict:
             }
         },
     }
-    return resource("kubeflow.org/v1", "PyTorchJob", deploy, spec, queued=True)
+    return manifest("kubeflow.org/v1", "PyTorchJob", deploy, spec, queued=True)
 
 
 def trainjob(deploy: Deploy, env: Env) -> dict:
@@ -219,12 +219,12 @@ def trainjob(deploy: Deploy, env: Env) -> dict:
             }
         ],
     }
-    return resource("trainer.kubeflow.org/v1alpha1", "TrainJob", deploy, spec, queued=True)
+    return manifest("trainer.kubeflow.org/v1alpha1", "TrainJob", deploy, spec, queued=True)
 
 
 def service_account(deploy: Deploy) -> dict:
     """A TrainJob's pods' account, without an API token: its pods cannot say so themselves."""
-    account = resource("v1", "ServiceAccount", deploy, spec=None)
+    account = manifest("v1", "ServiceAccount", deploy, spec=None)
     return account | {"automountServiceAccountToken": False}
 
 

@@ -32,7 +32,7 @@ def optional(**values: Any) -> dict:
     return {key: value for key, value in values.items() if value is not None}
 
 
-def resource(
+def manifest(
     api_version: str,
     kind: str,
     deploy: Mapping[str, Any],

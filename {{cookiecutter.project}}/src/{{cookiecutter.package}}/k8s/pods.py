@@ -14,9 +14,9 @@ from .meta import (
     NAME_LABEL,
     cpu_text,
     labels,
+    manifest,
     optional,
     quantity,
-    resource,
     size_text,
     topology_annotation,
 )
@@ -112,7 +112,7 @@ def torchrun_launch(deploy: Mapping[str, Any], rendezvous_host: str) -> Launch:
     return Launch(["/bin/sh", "-c", MULTI_NODE_LAUNCH, COMMAND], args, env)
 
 
-def resources(deploy: Mapping[str, Any], gpus: bool = True) -> dict:
+def container_resources(deploy: Mapping[str, Any], gpus: bool = True) -> dict:
     """Requests from the deploy config, scaled by the GPUs per node, so that the pod is not
     BestEffort (evicted first). The memory limit holds the processes and /dev/shm, whose
     memory-backed pages count against it. No CPU limit unless deploy.guaranteed: throttling
@@ -152,7 +152,7 @@ def trainer_container(
         "command": launch.command,
         "args": launch.args,
         "env": [{"name": var, "value": value} for var, value in values.items()] + launch.env,
-        "resources": resources(deploy),
+        "resources": container_resources(deploy),
         "securityContext": READ_ONLY_ROOT | added_capabilities(deploy),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -238,6 +238,6 @@ def runs_claim(deploy: Mapping[str, Any]) -> dict:
         **optional(storageClassName=deploy["storage_class"]),
         "resources": {"requests": {"storage": deploy["runs_storage"]}},
     }
-    claim = resource("v1", "PersistentVolumeClaim", deploy, spec)
+    claim = manifest("v1", "PersistentVolumeClaim", deploy, spec)
     claim["metadata"]["name"] = runs_claim_name(deploy)
     return claim
