@@ -25,7 +25,13 @@ from conftest import (
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
-from ddp_project import checkpoint, oom, run_dir_plan, torchrun_args, worker_exits
+from ddp_project import (
+    checkpoint,
+    oom,
+    run_dir_plan,
+    torchrun_args,
+    worker_exits,
+)
 from ddp_project import launch as launcher
 
 TORCHRUN = get_args_parser()
