@@ -25,7 +25,7 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
     """The command in this process; its launch, torchrun's 2 gloo workers, for real."""
     monkeypatch.chdir(tmp_path)
     code, out, err = bench_main("--pairs", "2", "--warmup", "10", "--steps", "10", "--json",
-                                "b.json", launch=bench.launch)  # fmt: skip
+                                "b.json", run_workers=bench.run_workers)  # fmt: skip
     assert code == 0, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
     report = json.loads((tmp_path / "b.json").read_text())
@@ -138,15 +138,15 @@ def test_gpt2_small_is_gpt2_smalls_shape(compose_train):
 @pytest.fixture
 def bench_main(monkeypatch, capsys):
     """bench_main(*args) -> (exit code, stdout, stderr) of bench's main, in this process, with
-    the launch replaced by `result` (a dict) or by a failure when none is given; or the real
-    one when `launch=bench.launch` is given."""
+    the workers' run replaced by `result` (a dict) or by a failure when none is given; or the real
+    one when `run_workers=bench.run_workers` is given."""
 
-    def run(*args: str, result: dict | None = None, launch=None) -> tuple[int, str, str]:
+    def run(*args: str, result: dict | None = None, run_workers=None) -> tuple[int, str, str]:
         def canned(parsed, nproc):
             assert result is not None, "the bench launched despite a bad argument"
             return result
 
-        monkeypatch.setattr(bench, "launch", launch or canned)
+        monkeypatch.setattr(bench, "run_workers", run_workers or canned)
         monkeypatch.setattr(sys, "argv", ["bench", *args])
         try:
             code = bench.main()
@@ -252,5 +252,5 @@ def test_a_failed_launch_names_the_root_cause(monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", lambda *args, **kwargs: done)
     args = argparse.Namespace(pairs=1, warmup=10, steps=10, overrides=[], timeout_s=60)
     with pytest.raises(bench.BenchFailed) as failed:
-        bench.launch(args, 2)
+        bench.run_workers(args, 2)
     assert str(failed.value) == f"exit 1: {cause}"

@@ -25,7 +25,13 @@ from conftest import (
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
-from ddp_project import checkpoint
+from ddp_project import (
+    checkpoint,
+    oom,
+    run_dir_plan,
+    torchrun_args,
+    worker_exits,
+)
 from ddp_project import launch as launcher
 
 TORCHRUN = get_args_parser()
@@ -164,14 +170,14 @@ def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch, capsy
 def test_the_run_dir_of_a_multi_node_launch_is_read_as_hydra_reads_it(override, run_dir):
     """With several nodes the launcher cannot compose the default dir's name; it checks an
     explicit one, which it read quotes and all."""
-    found = launcher.explicit_run_dir(["trainer.max_steps=3", override])
+    found = run_dir_plan.explicit_run_dir(["trainer.max_steps=3", override])
     assert found == (Path(run_dir) if run_dir else None)
 
 
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():
     args = ["--nproc-per-node", "2", "--rdzv-conf", "join_timeout=5", "--standalone",
             "--max-restarts=1", "trainer.lr=0.1", "hydra.run.dir=x"]  # fmt: skip
-    options, overrides = launcher.split(args, TORCHRUN)
+    options, overrides = torchrun_args.split(args, TORCHRUN)
     assert options == args[:6] and overrides == ["trainer.lr=0.1", "hydra.run.dir=x"]
 
 
@@ -303,11 +309,11 @@ def test_the_summary_blames_the_cause_not_its_consequences():
     killed = ChildFailedError(
         "train", {0: failure(0, 3, at=1), 1: failure(1, -signal.SIGKILL, at=2)}
     )
-    assert launcher.summary(killed) == ("rank 1 (pid 101) was killed by SIGKILL", 137)
+    assert worker_exits.summary(killed) == ("rank 1 (pid 101) was killed by SIGKILL", 137)
     diverged = ChildFailedError(
         "train", {0: failure(0, -signal.SIGTERM, at=1), 1: failure(1, 4, at=2)}
     )
-    assert launcher.summary(diverged)[1] == 4
+    assert worker_exits.summary(diverged)[1] == 4
 
 
 def failure(rank: int, code: int, at: int):
@@ -325,7 +331,7 @@ def test_workers_that_were_stopped_are_not_blamed(codes):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     err = ChildFailedError("train", {i: failure(i, code, at=i) for i, code in enumerate(codes)})
-    line, code = launcher.summary(err)
+    line, code = worker_exits.summary(err)
     name = signal.Signals(abs(codes[0]) % 128).name
     assert (line, code) == (f"stopped by {name}", 128 + abs(codes[0]) % 128)
 
@@ -491,7 +497,7 @@ GIB = 2**30
 
 def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_setting():
     config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
-    line = launcher.memory_line(
+    line = oom.memory_line(
         0, 41, held=int(11.8 * GIB), total=int(23.5 * GIB), limit=(24 * GIB, "this machine has"),
         evidence=True, config=config, local_size=2,
     )  # fmt: skip
@@ -499,13 +505,13 @@ def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_sett
         "rank 0 (pid 41) was killed for memory: it held 11.8 GiB (this node's 2 processes "
         "23.5 GiB) of the 24.0 GiB this machine has; try data.batch_size=4 or --nproc-per-node 1"
     )
-    one = launcher.memory_line(
+    one = oom.memory_line(
         1, 42, held=None, total=None, limit=(GIB // 2, "its cgroup (container) allows"),
         evidence=True, config=SimpleNamespace(data=SimpleNamespace(batch_size=1)), local_size=1,
     )  # fmt: skip
     assert one == "rank 1 (pid 42) was killed for memory: its cgroup (container) allows 0.5 GiB"
     # without evidence, a SIGKILL is a SIGKILL: no claim about memory
-    assert launcher.memory_line(0, 41, GIB, GIB, (24 * GIB, "x"), False, config, 2) is None
+    assert oom.memory_line(0, 41, GIB, GIB, (24 * GIB, "x"), False, config, 2) is None
 
 
 def test_the_evidence_of_a_kill_for_memory(monkeypatch):
@@ -513,9 +519,9 @@ def test_the_evidence_of_a_kill_for_memory(monkeypatch):
     when the workers held 90% of the limit when last seen; otherwise it is not."""
     config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
     counts = {"/proc/vmstat": 3}
-    monkeypatch.setattr(launcher, "oom_kills", lambda: dict(counts))
-    monkeypatch.setattr(launcher, "memory_limit", lambda: (10 * GIB, "this machine has"))
-    watch = launcher.MemoryWatch(config, local_size=2)
+    monkeypatch.setattr(oom, "oom_kills", lambda: dict(counts))
+    monkeypatch.setattr(oom, "memory_limit", lambda: (10 * GIB, "this machine has"))
+    watch = oom.MemoryWatch(config, local_size=2)
     watch.last, watch.total_with = {41: 4 * GIB}, {41: 8 * GIB}
     assert watch.verdict(0, 41) is None  # 80% of the limit, no kill counted
     watch.total_with[41] = 9 * GIB
@@ -536,7 +542,7 @@ def test_the_launcher_names_a_worker_killed_for_memory(tmp_path, monkeypatch, ca
 
     monkeypatch.chdir(tmp_path)
     counts = iter(range(100))
-    monkeypatch.setattr(launcher, "oom_kills", lambda: {"/proc/vmstat": next(counts)})
+    monkeypatch.setattr(oom, "oom_kills", lambda: {"/proc/vmstat": next(counts)})
 
     def killed(parsed):
         raise ChildFailedError("train", {0: failure(0, -signal.SIGKILL, at=1)})
@@ -557,7 +563,7 @@ def test_the_memory_watch_sees_what_a_worker_holds():
     )  # fmt: skip
     try:
         child.stdout.readline()  # allocated
-        watch = launcher.MemoryWatch(SimpleNamespace(), local_size=1)
+        watch = oom.MemoryWatch(SimpleNamespace(), local_size=1)
         watch.sample()
         assert watch.last[child.pid] >= 200 * 2**20
         assert watch.total_with[child.pid] >= watch.last[child.pid]
@@ -570,10 +576,10 @@ def test_the_kernels_counts_and_limits_are_readable_here():
     """Linux: the cgroup counts OOM kills, or /proc/vmstat where none does (it counts every
     container of the node: never beside a cgroup's count); /proc/meminfo or a cgroup gives the
     limit."""
-    kills = launcher.oom_kills()
+    kills = oom.oom_kills()
     cgroups = [path for path in kills if path.startswith("/sys/fs/cgroup")]
     assert kills and (
         list(kills) == ["/proc/vmstat"] if not cgroups else "/proc/vmstat" not in kills
     )
-    limit, what = launcher.memory_limit()
+    limit, what = oom.memory_limit()
     assert limit > 2**27 and what in ("this machine has", "its cgroup (container) allows")

@@ -329,7 +329,7 @@ def render(report: dict) -> str:
 # --- the command ----------------------------------------------------------------------------
 
 
-def launch(args: argparse.Namespace, nproc: int) -> dict:
+def run_workers(args: argparse.Namespace, nproc: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.bench", "--worker", scratch,
@@ -395,7 +395,7 @@ def main() -> int:
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
     check.compose_and_check_or_exit(args.overrides)
     try:
-        report = figures(launch(args, nproc))
+        report = figures(run_workers(args, nproc))
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return Exit.FAILED

@@ -1,0 +1,61 @@
+"""How the workers ended, as the launcher's one last line says it: torchrun's failure table read for
+the process whose failure is a cause, and the exit code to pass on."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from .exits import Exit, for_signal
+from .oom import MemoryWatch
+
+MEANING = {  # a worker's exit, as the launcher's last line names it
+    Exit.CONFIG_ERROR: "a config error, printed above",
+    Exit.COLLECTIVE_FAILED: "a collective failed: the block above says why",
+    Exit.DIVERGED: "training diverged: the line above says what to do",
+    Exit.CHECKPOINT_FAILED: "a checkpoint could not be written: the line above says why",
+    Exit.INTERRUPTED: "stopped by SIGINT after a checkpoint",
+    Exit.PREEMPTED: "stopped by SIGTERM after a checkpoint",
+}
+# Exits of a process that was asked to stop (Ctrl-C, SIGTERM): no failure of its own.
+STOPPED = {Exit.INTERRUPTED, Exit.PREEMPTED, -signal.SIGINT, -signal.SIGTERM}
+# Exits whose one line the worker printed itself: a config error, a divergence, a failed write.
+SAID_ALREADY = {Exit.CONFIG_ERROR, Exit.DIVERGED, Exit.CHECKPOINT_FAILED}
+
+
+class SaidBelow(logging.Filter):
+    """torchrun's log lines about stopping the other workers and about the failed one: the
+    launcher's own last line says the same."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Sending process", "failed (exitcode"))
+
+
+# Exits that follow from another process's failure: a collective that failed because its peer
+# ended, and torchrun's own SIGTERM to the survivors.
+CONSEQUENCES = {Exit.COLLECTIVE_FAILED, Exit.PREEMPTED, -signal.SIGTERM}
+
+
+def summary(err: ChildFailedError, memory: MemoryWatch | None = None) -> tuple[str, int]:
+    """torchrun's failure table as one line, and the exit code to pass on: the process whose
+    failure is a cause rather than a consequence, the earliest of those."""
+    rank, failure = min(
+        err.failures.items(), key=lambda item: (item[1].exitcode in CONSEQUENCES, item[1].timestamp)
+    )
+    if all(f.exitcode in STOPPED for f in err.failures.values()):  # they were signalled, not us
+        name = signal.Signals(abs(failure.exitcode) % 128).name
+        return f"stopped by {name}", for_signal(abs(failure.exitcode) % 128)
+    if failure.exitcode < 0:
+        if failure.exitcode == -signal.SIGKILL and memory is not None:
+            said = memory.verdict(rank, failure.pid)
+            if said:
+                return said, 128 - failure.exitcode
+        name = failure.signal_name()
+        return f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 - failure.exitcode
+    meaning = MEANING.get(failure.exitcode, "its error is printed above")
+    return (
+        f"rank {rank} (pid {failure.pid}) exited with {failure.exitcode}: {meaning}",
+        failure.exitcode,
+    )
