@@ -222,7 +222,7 @@ def test_nccl_values_work_as_nccl_writes_them(overrides, env):
 
 
 def test_train_reads_nccl_values_as_nccl_writes_them(tmp_path):
-    """train's own command line (config.hydra_argv), which the launcher hands the overrides to."""
+    """train's own command line (overrides.hydra_argv), which the launcher hands the overrides to."""
     done = subprocess.run(
         [sys.executable, "-m", f"{PACKAGE}.train", "--cfg", "job", "nccl.debug_subsys=INIT,NET",
          "nccl.env.NCCL_ALGO=Ring,Tree", "nccl.socket_ifname=^lo"],
@@ -308,9 +308,9 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
 
 
 def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):
-    """config.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
+    """overrides.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
     against OmegaConf's own loader on every file the project ships and on each refused above."""
-    from ddp_project.config import hydras_yaml_loaders
+    from ddp_project.overrides import hydras_yaml_loaders
 
     fast, exact = hydras_yaml_loaders()
     assert fast is not exact  # PyYAML's wheels carry libyaml
@@ -336,13 +336,13 @@ def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
 def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
     configs_copy, monkeypatch, capsys
 ):
-    """train's command line (config.hydra_argv) reads configs/ before Hydra does."""
-    from ddp_project import config
+    """train's command line (overrides.hydra_argv) reads configs/ before Hydra does."""
+    from ddp_project import overrides
 
     (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
-    monkeypatch.setattr(config, "configs_folder", lambda: configs_copy)
+    monkeypatch.setattr(overrides, "configs_folder", lambda: configs_copy)
     with pytest.raises(SystemExit) as stopped:
-        config.hydra_argv(["trainer.max_steps=3"])
+        overrides.hydra_argv(["trainer.max_steps=3"])
     assert stopped.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     where = configs_copy / "local" / "default.yaml"

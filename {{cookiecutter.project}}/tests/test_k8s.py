@@ -12,10 +12,10 @@ from conftest import PACKAGE, deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
 from ddp_project.check import config_problem
-from ddp_project.config import hydra_overrides
 from ddp_project.exits import Exit
 from ddp_project.k8s import apply, meta, pods, render, sync
 from ddp_project.k8s.flavors import FLAVORS
+from ddp_project.overrides import hydra_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [

@@ -1,39 +1,29 @@
 """Typed schema of every config group, and the checks that run before anything starts.
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
-fails at compose time, naming the key. Checks that types cannot express live in __post_init__ and
-check_*; check.ConfigCheck runs them all before Hydra creates the run dir.
+fails at compose time, naming the key. Checks that types cannot express live in __post_init__, and
+those of a whole config in validate.py; check.ConfigCheck runs them all before Hydra creates the
+run dir.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import difflib
-import functools
-import hashlib
-import json
 import math
-import os
-import re
-import sys
-import time
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
-from importlib.resources import files
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, Dict, List, Optional
 from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, OmegaConf
 
 from . import nccl
 from .exits import Exit
 from .k8s.checks import deploy_errors
-from .registry import option, option_of, options, stored_options
-from .world import World
+from .registry import option, options, stored_options
+from .token_files import TOKEN_BYTES, largest_token
+from .world import rank_zero_only, run_name
 
 
 class ConfigError(ValueError):
@@ -182,9 +172,6 @@ class GptConfig:
 
 
 HELD_OUT = 10  # one part in this many is held out for evaluation
-TOKEN_BYTES = 2  # a token file holds uint16 ids, as nanoGPT writes them (data.TOKEN_DTYPE)
-CHUNK_TOKENS = 2**24  # read 32 MiB of a token file at a time: any size scans in bounded memory
-SCANNED_VAR = "DDP_TOKEN_FILE_SCAN"  # a scan's result, for the processes this one starts
 
 
 def token_file_problem(data: TokensConfig) -> str | None:
@@ -222,32 +209,6 @@ def token_file_problem(data: TokensConfig) -> str | None:
             f"holds uint16 tokens ({make})"
         )
     return None
-
-
-def largest_token(path: Path) -> tuple[int, int]:
-    """The largest id in a token file and where it is, read a chunk at a time. The result is
-    kept in the environment, keyed by the file's identity: the launcher reads the file once, and
-    the workers it starts (heirs of its environment) do not read it again."""
-    import numpy as np  # here, so that rendering k8s/ needs no numpy
-
-    stat = path.stat()
-    file = f"{path.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
-    try:
-        known = json.loads(os.environ.get(SCANNED_VAR, "{}"))
-        if known.get("file") == file:
-            return int(known["max"]), int(known["at"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass  # not ours, or garbled: read the file
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    top, at = -1, 0
-    for start in range(0, len(tokens), CHUNK_TOKENS):
-        chunk = tokens[start : start + CHUNK_TOKENS]
-        index = int(chunk.argmax())
-        if int(chunk[index]) > top:
-            top, at = int(chunk[index]), start + index
-    del tokens
-    os.environ[SCANNED_VAR] = json.dumps({"file": file, "max": top, "at": at})
-    return top, at
 
 
 def file_sequences(data: TokensConfig) -> int:
@@ -618,361 +579,6 @@ def uses_cuda(backend: Backend) -> bool:
     import torch  # here, so that rendering k8s/ needs no torch
 
     return backend is Backend.nccl or (backend is Backend.auto and torch.cuda.is_available())
-
-
-def check_devices(config: TrainConfig, world: World) -> None:
-    """torchrun's --nproc-per-node must fit the GPUs this node can see."""
-    import torch
-
-    if not uses_cuda(config.dist.backend):
-        return
-    visible = torch.cuda.device_count()
-    require(visible > 0, "dist.backend", "nccl", "no CUDA device is visible; use auto or gloo")
-    require(
-        world.local_size <= visible,
-        "--nproc-per-node",
-        world.local_size,
-        f"only {visible} GPU(s) visible on this node; use at most {visible} processes per node",
-    )
-
-
-def check_data(config: TrainConfig, world: World, held_out: bool = False) -> None:
-    """Training: every process needs at least one full batch of its shard, or it never takes a
-    step. Evaluation (held_out): every process needs a held-out sample; its last batch may be
-    short, so any batch size does."""
-    if held_out:
-        samples, source = config.data.held_out_samples()
-        if samples < world.size:
-            fewer = f"on at most {samples} process(es), or " if samples else ""
-            raise ConfigError(
-                f"{source}: {samples} held-out sample(s) (one in {HELD_OUT}) for {world.size} "
-                f"process(es), which need one each; evaluate {fewer}with more data"
-            )
-        return
-    samples, source = config.data.training_samples()
-    per_process = samples // world.size
-    require(
-        per_process >= config.data.batch_size,
-        "data.batch_size",
-        config.data.batch_size,
-        f"each of {world.size} process(es) gets {per_process} of the {samples} training samples of "
-        f"{source}; use a batch size of at most {per_process}",
-    )
-
-
-def check_combinations(config: TrainConfig) -> None:
-    """Values that are fine alone but not together."""
-    require(
-        not (config.dist.static_graph and config.trainer.grad_accumulation > 1),
-        "dist.static_graph",
-        "true",
-        f"DDP's static graph cannot skip the gradient sync that trainer.grad_accumulation="
-        f"{config.trainer.grad_accumulation} needs; set dist.static_graph=false",
-    )
-    model = option_of(type(config.model))
-    if model.reads is not None and not isinstance(config.data, model.reads):
-        data = option_of(model.reads)
-        raise ConfigError(f"model: {model.what} reads {data.what}; use data={data.name}")
-
-
-def check_keys(node: DictConfig, prefix: str = "") -> None:
-    """Hydra's `+key=value` adds a key even to a typed node; a key outside the schema is a typo
-    that would otherwise be ignored. (nccl.env is a dict: its keys are nccl.config_errors'.)"""
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return
-    allowed = [f.name for f in dataclasses.fields(schema)]
-    for key in node:
-        if key not in allowed:
-            raise ConfigError(f"{prefix}{key}: no such key; allowed: {', '.join(allowed)}")
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            check_keys(child, f"{prefix}{key}.")
-
-
-def check_composed(
-    cfg: DictConfig, world: World | None = None, this_node: bool = True, held_out: bool = False
-) -> TrainConfig:
-    """A config already composed (by Hydra for a run, by check.compose_and_check, from a
-    checkpoint) as typed objects, checked; ConfigError names the bad key. The `hydra` node of a
-    run's config is not ours: it is left out, and only says which NCCL profile was chosen.
-    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
-    held_out=True checks the data for evaluation rather than training (check_data)."""
-    world = world or World.from_env()
-    chosen = OmegaConf.select(cfg, "hydra.runtime.choices.nccl")
-    if "hydra" in cfg:
-        cfg = copy.deepcopy(cfg)
-        with open_dict(cfg):
-            cfg.pop("hydra")
-    check_keys(cfg)
-    config: TrainConfig = OmegaConf.to_object(cfg)
-    if chosen is not None:
-        check_profile_name(config.nccl, chosen)
-    if this_node:
-        check_devices(config, world)
-    check_data(config, world, held_out)
-    check_combinations(config)
-    check_accept_changes(config)
-    return config
-
-
-def check_profile_name(profile: NcclConfig, chosen: str) -> None:
-    """nccl.profile names the profile in force, in logs, failure reports and the bench's figures:
-    it must be the one that nccl=<name> chose."""
-    require(
-        profile.profile == chosen, "nccl.profile", profile.profile,
-        f"must be {chosen}, the name of the profile nccl={chosen} chose; keep `profile: {chosen}` "
-        f"in configs/nccl/{chosen}.yaml, and choose a profile with nccl=<name>",
-    )  # fmt: skip
-
-
-def config_keys(node: Any, prefix: str = "") -> set[str]:
-    """Every group and leaf of a config, dotted: model, model.hidden_dim, ..."""
-    if dataclasses.is_dataclass(node):
-        children = {f.name: getattr(node, f.name, None) for f in fields(node)}
-    elif isinstance(node, dict):
-        children = node
-    else:
-        return set()
-    keys = set()
-    for name, child in children.items():
-        keys |= {f"{prefix}{name}"} | config_keys(child, f"{prefix}{name}.")
-    return keys
-
-
-def check_accept_changes(config: TrainConfig) -> None:
-    """trainer.accept_changes names keys a resume may change: each must be a group or a key of
-    this config, or of another option of its groups (a resume that switches model=...)."""
-    known = config_keys(config) | {
-        f"{o.group}.{f.name}" for o in stored_options() for f in fields(o.schema)
-    }
-    for entry in config.trainer.accept_changes:
-        if entry not in known:
-            close = difflib.get_close_matches(entry, sorted(known), n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(
-                f"trainer.accept_changes: {entry or repr(entry)} is no key of the config; {hint}"
-                "allowed: a group "
-                f"({', '.join(f.name for f in fields(TrainConfig))}) or a key in one, e.g. trainer.lr"
-            )
-
-
-def from_saved(saved: dict[str, Any], overrides: list[str], held_out: bool = False) -> TrainConfig:
-    """A checkpoint's config (the plain dict it holds) typed and checked again, with dotted
-    key=value overrides on top; held_out=True checks its data for evaluation (check_data)."""
-    parts: dict[str, Any] = {}
-    for group, values in saved.items():
-        schemas = [o.schema for o in stored_options() if o.group == group]
-        if not schemas:
-            parts[group] = values
-            continue
-        keys = set(values)
-        schema = next((s for s in schemas if {f.name for f in dataclasses.fields(s)} == keys), None)
-        if schema is None:
-            raise ConfigError(
-                f"{group}: the checkpoint's keys ({', '.join(sorted(keys))}) fit no {group} schema"
-            )
-        parts[group] = OmegaConf.merge(OmegaConf.structured(schema), values)
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), parts)
-        cfg.merge_with_dotlist(overrides)
-    except OmegaConfBaseException as err:
-        raise ConfigError(" ".join(str(err).split())) from None
-    return check_composed(cfg, held_out=held_out)
-
-
-# What NCCL reads as comma lists (NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_IB_HCA=mlx5_0,mlx5_1, and
-# many nccl.env variables: NCCL_ALGO=Ring,Tree) Hydra reads as a sweep, and a value that starts
-# with NCCL's ^ (exclude) or = (exact match) it cannot read at all, unless quoted.
-NCCL_TEXT_KEY = re.compile(
-    r"(\+?\+?)(nccl\.(?:" + "|".join(nccl.TEXT_FIELDS) + r"|env\.[^=]*))=(.*)", re.DOTALL
-)
-# The deploy group's maps: their keys are the user's, so an override may add one.
-MAP_KEY = re.compile(
-    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations)[.=]"
-)
-SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
-
-
-def nccl_text(value: str) -> str:
-    """A value for a NCCL text key, quoted so that Hydra reads it as one string; a list
-    [a,b] becomes the comma list 'a,b'. Quoted values, null, interpolations and sweep functions
-    stay as they are."""
-    as_given = value in ("", "null") or value[0] in "'\"" or "${" in value
-    if as_given or SWEEP_FUNCTION.fullmatch(value):
-        return value
-    if value.startswith("[") and value.endswith("]"):
-        value = ",".join(item.strip().strip("'\"") for item in value[1:-1].split(","))
-    quote = "'" if "'" not in value else '"'
-    return value if quote in value else f"{quote}{value}{quote}"
-
-
-def hydra_overrides(overrides: list[str]) -> list[str]:
-    """Overrides as Hydra must read them to mean what NCCL's syntax says, as the README and the
-    remedies write them:
-      nccl.debug_subsys=INIT,NET (or [INIT,NET])  ->  nccl.debug_subsys='INIT,NET'
-      nccl.env.NCCL_ALGO=Ring                      ->  ++nccl.env.NCCL_ALGO='Ring'  (adds the key)
-      nccl.env={NCCL_ALGO:Ring}                    ->  ++nccl.env={NCCL_ALGO:Ring}
-      deploy.node_selector={pool:gpu}              ->  ++deploy.node_selector={pool:gpu}  (any deploy map)
-    Under -m too: a bare comma list is NCCL's list, never a sweep; sweep with choice(Ring,Tree).
-    Other arguments pass as given, and a rewritten override rewritten again stays the same."""
-    rewritten = []
-    for override in overrides:
-        match = NCCL_TEXT_KEY.fullmatch(override)
-        if match:
-            plus, key, value = match.groups()
-            plus = "++" if key.startswith("nccl.env.") else plus
-            override = f"{plus}{key}={nccl_text(value)}"
-        elif override.startswith("nccl.env="):  # a whole map, nccl.env={NCCL_ALGO:Ring}
-            override = f"++{override}"
-        elif MAP_KEY.match(override):  # deploy.node_selector={pool:gpu}, deploy.pod_labels.team=a
-            override = f"++{override.lstrip('+')}"
-        rewritten.append(override)
-    return rewritten
-
-
-def configs_folder() -> Path:
-    """The configs/ that Hydra reads (pkg://<package>.configs): beside this module when
-    installed, the project's configs/ in an editable install."""
-    return Path(str(files(f"{__package__}.configs")))
-
-
-GLOBAL_GROUPS = ("experiment", "local")  # their files set keys anywhere: # @package _global_
-# Hydra reads `# @key value` lines up to the first other line, blank ones aside.
-GLOBAL_HEADER = re.compile(r"(\s*#\s*@[^\n]*\n|\s*\n)*\s*#\s*@package\s+_global_\s*(\n|$)")
-
-
-def yaml_problem(folder: Path) -> str | None:
-    """The first file under `folder` that Hydra could not use, as one line naming the file, the
-    line and the problem; None when all can be used. (Hydra's own report is a parser traceback of
-    some 70 lines, or a key error about a group.)"""
-    for path in sorted(folder.rglob("*.yaml")):
-        shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else str(path)
-        problem = yaml_file_problem(path, path.relative_to(folder).parts[0])
-        if problem:
-            return f"{shown}{problem}"
-    return None
-
-
-@functools.cache
-def hydras_yaml_loaders() -> tuple[type, type]:
-    """(fast, exact): Hydra's YAML loader (OmegaConf's: a duplicate key is an error, 1e3 is a
-    float), and the same on libyaml's parser where PyYAML has it. Every launch and check reads
-    all of configs/ first: 6 ms that way, 48 in pure Python. What the fast one refuses is read
-    again by the exact one, Hydra's own, whose verdict and messages stand."""
-    import yaml
-    from omegaconf._utils import get_yaml_loader
-
-    exact = get_yaml_loader()
-    if not yaml.__with_libyaml__:
-        return exact, exact
-
-    class Fast(yaml.cyaml.CParser, exact):
-        def __init__(self, stream: str) -> None:
-            yaml.cyaml.CParser.__init__(self, stream)
-            yaml.constructor.SafeConstructor.__init__(self)
-            yaml.resolver.Resolver.__init__(self)
-
-    return Fast, exact
-
-
-def yaml_file_problem(path: Path, group: str) -> str | None:
-    """What yaml_problem says of one file, after its name; None if Hydra can use it."""
-    import yaml
-
-    fast, exact = hydras_yaml_loaders()
-    try:
-        text = path.read_text(encoding="utf-8")
-        try:
-            loaded = yaml.load(text, Loader=fast)
-        except yaml.YAMLError:
-            loaded = yaml.load(text, Loader=exact)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = " ".join(str(err.problem or err.context or "").split())
-        if "'\\t'" in problem:
-            problem += " (indent YAML with spaces)"
-        elif err.context and err.problem:
-            opened = err.context_mark
-            since = f" from line {opened.line + 1}" if opened and opened is not mark else ""
-            problem += f" ({err.context}{since})"
-        return f"{where}: not YAML: {problem}"
-    except yaml.YAMLError as err:
-        return f": not YAML: {' '.join(str(err).split())}"
-    except UnicodeDecodeError as err:
-        return f": not UTF-8 text (byte {err.start}): not a YAML file"
-    except OSError as err:
-        return f": cannot be read ({err.strerror or err})"
-    if loaded is not None and not isinstance(loaded, dict):
-        return f": holds a {type(loaded).__name__}; a config file holds keys and values"
-    if group in GLOBAL_GROUPS and not GLOBAL_HEADER.match(text):
-        return (
-            f": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml "
-            f"has it): Hydra reads it there only, and without it puts the keys under `{group}`"
-        )
-    return None
-
-
-def hydra_argv(argv: list[str]) -> list[str]:
-    """train's command line before Hydra reads it: a configs/ file that is not YAML stops it in
-    one line, and the overrides are rewritten as hydra_overrides says."""
-    problem = yaml_problem(configs_folder())
-    if problem:
-        exit_with_error(f"config error: {problem}")
-    return hydra_overrides(argv)
-
-
-def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
-    """Every local rank finds the same error. Local rank 0 prints it, once per node; the others
-    wait for that, because torchrun stops all workers as soon as the first one exits."""
-    if World.from_env().local_rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    else:
-        time.sleep(grace_s)
-    sys.exit(Exit.CONFIG_ERROR)
-
-
-RUN_NAME_VAR = "DDP_RUN_NAME"  # the launcher names the run for its workers
-
-
-def run_name_for(started: float, ident: str) -> str:
-    """`<local start time>_<6 hex>`: runs sort by when they started."""
-    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"_{ident[:6]}"
-
-
-def start_time(pid: int) -> float:
-    """When a process started, from /proc (the current time where /proc cannot tell)."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        stat = Path("/proc/stat").read_text().split()
-        boot = float(stat[stat.index("btime") + 1])
-    except (OSError, IndexError, ValueError):
-        return time.time()
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def run_name() -> str:
-    """Resolver: one name per launch, the same in every worker of it. The launcher's
-    (RUN_NAME_VAR); under torchrun alone, from torchrun, the workers' parent: its start time and
-    run id; across several nodes, where the start times differ, `run-<rendezvous id>`; without
-    torchrun, this process's start time."""
-    given = os.environ.get(RUN_NAME_VAR)
-    if given:
-        return given
-    world = World.from_env()
-    run_id = world.run_id or "none"  # torchrun's own default is "none" too
-    if world.size > world.local_size and run_id != "none":
-        return f"run-{run_id}"
-    parent = os.getppid() if world.launched else os.getpid()
-    started = start_time(parent)
-    ident = hashlib.sha1(f"{run_id}-{parent}-{started}".encode()).hexdigest()
-    return run_name_for(started, ident)
-
-
-def rank_zero_only(value: Any) -> Any:
-    """Resolver: the value on global rank 0, None on the others (set by torchrun)."""
-    return value if World.from_env().main else None
 
 
 def register_configs() -> None:

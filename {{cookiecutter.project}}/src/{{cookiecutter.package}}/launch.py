@@ -72,14 +72,9 @@ from torch.distributed.elastic.rendezvous.utils import (
 from torch.distributed.run import get_args_parser, run
 
 from . import check, checkpoint, rundir
-from .config import (
-    RUN_NAME_VAR,
-    TrainConfig,
-    exit_with_error,
-    hydra_overrides,
-    register_configs,
-    run_name_for,
-)
+from .config import TrainConfig, register_configs
+from .overrides import exit_with_error, hydra_overrides
+from .world import RUN_NAME_VAR, run_name_for
 
 PACKAGE = __package__
 COMMAND = PROJECT
@@ -604,7 +599,7 @@ def launch(args: list[str]) -> int:
         return Exit.CONFIG_ERROR
     local_size, world_size = processes(parsed)
     one_node = world_size == local_size
-    if one_node:  # its launch names the run (several nodes: config.run_name)
+    if one_node:  # its launch names the run (several nodes: world.run_name)
         os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
     os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
     config = check.compose_and_check_or_exit(overrides)  # as the workers will compose it

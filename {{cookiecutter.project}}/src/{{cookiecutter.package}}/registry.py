@@ -9,8 +9,8 @@ because checking a config (and rendering k8s/) reads the schemas without importi
   logger  loggers.py  (cfg, run_dir, start_step, config) -> an object with log(row) and close(),
                       or None for nothing to start
 Everything that differs between options reads these two: Hydra's ConfigStore
-(config.register_configs), the model-and-data check (config.check_combinations), the schema of a
-checkpoint's config (config.from_saved), the logger group's keys (config.LoggersConfig) and their
+(config.register_configs), the model-and-data check (validate.check_combinations), the schema of a
+checkpoint's config (validate.from_saved), the logger group's keys (config.LoggersConfig) and their
 packages, build_model, build_dataset and loggers.build.
 """
 
