@@ -258,7 +258,7 @@ def test_the_config_names_the_nccl_profile_it_was_composed_with(profile):
 def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy):
     """Set on the command line, or a profile file copied from another without its name changed."""
     from ddp_project.check import compose_and_check, describe
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     assert config_problem(["nccl=pcie_safe", "nccl.profile=socket"]) == (
         "nccl.profile=socket: must be pcie_safe, the name of the profile nccl=pcie_safe chose; "
@@ -298,7 +298,7 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
     from ddp_project.check import compose_and_check, describe
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     (configs_copy / "local" / "default.yaml").write_bytes(text)
     with pytest.raises(ConfigError) as failure:
@@ -326,7 +326,7 @@ def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuse
 
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
     from ddp_project.check import compose_and_check
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     (configs_copy / "local" / "default.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):

@@ -8,7 +8,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from ddp_project import nccl
-from ddp_project.config import Backend, ConfigError, TrainConfig
+from ddp_project.config import Backend, TrainConfig
+from ddp_project.config_error import ConfigError
 from ddp_project.validate import check_composed
 
 PROFILE_ENV = {

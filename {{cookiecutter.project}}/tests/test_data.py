@@ -11,7 +11,7 @@ from conftest import PACKAGE
 
 from ddp_project import token_files, validate
 from ddp_project.check import compose_and_check, config_problem
-from ddp_project.config import ConfigError
+from ddp_project.config_error import ConfigError
 from ddp_project.data import prepare
 from ddp_project.validate import check_data
 from ddp_project.world import World

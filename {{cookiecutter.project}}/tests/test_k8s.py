@@ -223,7 +223,7 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     import torch
 
     from ddp_project.check import compose_and_check
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert compose_and_check(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"

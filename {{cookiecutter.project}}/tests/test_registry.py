@@ -16,7 +16,8 @@ from torch.utils.data import TensorDataset
 
 from ddp_project import evaluate, registry
 from ddp_project.check import compose_and_check
-from ddp_project.config import HELD_OUT, ConfigError, DataConfig, register_configs, require
+from ddp_project.config import HELD_OUT, DataConfig, register_configs
+from ddp_project.config_error import ConfigError, require
 from ddp_project.trainer import Trainer
 from ddp_project.world import World
 

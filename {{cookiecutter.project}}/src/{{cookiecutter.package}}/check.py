@@ -30,8 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import loggers
-from .config import ConfigError, LoggersConfig, TrainConfig, register_configs
+from .config import TrainConfig, register_configs
+from .config_error import ConfigError
 from .exits import Exit
+from .logger_config import LoggersConfig
 from .overrides import configs_folder, exit_with_error, hydra_overrides, yaml_problem
 from .validate import check_composed
 

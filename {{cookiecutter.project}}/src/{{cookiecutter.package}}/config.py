@@ -9,32 +9,21 @@ run dir.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
-from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from . import nccl
-from .exits import Exit
-from .k8s.checks import deploy_errors
-from .registry import option, options, stored_options
+from .config_error import ConfigError, require
+from .deploy_config import DeployConfig
+from .logger_config import LoggersConfig
+from .registry import option, stored_options
 from .token_files import TOKEN_BYTES, largest_token
 from .world import rank_zero_only, run_name
-
-
-class ConfigError(ValueError):
-    """A config value that is well typed but not allowed. The message names the key."""
-
-    exit = Exit.CONFIG_ERROR
-
-
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value}: {allowed}")
 
 
 class Backend(Enum):
@@ -217,113 +206,6 @@ def file_sequences(data: TokensConfig) -> int:
     return max(0, tokens - 1) // data.seq_len
 
 
-@option("logger", "tensorboard")
-@dataclass
-class TensorBoardConfig:
-    """configs/logger/tensorboard.yaml: event files in <run dir>/tensorboard."""
-
-
-@option("logger", "csv")
-@dataclass
-class CsvLoggerConfig:
-    """configs/logger/csv.yaml: metrics.csv and metrics.jsonl alone."""
-
-
-class WandbMode(Enum):
-    offline = "offline"  # written to <run dir>/wandb; `wandb sync` uploads it later
-    online = "online"
-    disabled = "disabled"
-
-
-@option("logger", "wandb", package=("wandb", "wandb"))
-@dataclass
-class WandbConfig:
-    """configs/logger/wandb.yaml: Weights & Biases (pip install '.[wandb]')."""
-
-    project: Optional[str] = MISSING
-    entity: Optional[str] = MISSING
-    mode: WandbMode = MISSING
-    tags: List[str] = MISSING
-
-    def __post_init__(self) -> None:
-        # W&B's own limits (wandb_settings), which it reports only once the run starts.
-        project = self.project
-        require(
-            project is None or (len(project.strip()) > 0 and len(project) <= 128 and not set(project) & set("/\\#?%:")),
-            "logger.wandb.project", repr(project),
-            "must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
-        )  # fmt: skip
-        require(
-            self.entity is None or self.entity.strip() != "", "logger.wandb.entity", repr(self.entity),
-            "must be null (your default entity) or a name that is not blank",
-        )  # fmt: skip
-        require(
-            all(0 < len(tag) <= 64 for tag in self.tags), "logger.wandb.tags", self.tags,
-            "each tag must be 1 to 64 characters",
-        )  # fmt: skip
-
-
-# The tracking URIs MLflow-skinny can use without a database driver: a server, or a folder.
-MLFLOW_SCHEMES = ("http", "https", "file")
-
-
-@option("logger", "mlflow", package=("mlflow", "mlflow"))
-@dataclass
-class MlflowLoggerConfig:
-    """configs/logger/mlflow.yaml: MLflow (pip install '.[mlflow]')."""
-
-    tracking_uri: Optional[str] = MISSING
-    experiment: Optional[str] = MISSING
-
-    def __post_init__(self) -> None:
-        if self.tracking_uri is not None:
-            problem = mlflow_uri_problem(self.tracking_uri)
-            if problem:
-                raise ConfigError(f"logger.mlflow.tracking_uri={self.tracking_uri}: {problem}")
-        require(
-            self.experiment is None or self.experiment.strip() != "",
-            "logger.mlflow.experiment", repr(self.experiment),
-            "must be null (this project's name) or a name that is not blank",
-        )  # fmt: skip
-
-
-def mlflow_uri_problem(uri: str) -> str | None:
-    """Why MLflow could not use this tracking URI, or None."""
-    parts = urlsplit(uri)
-    if uri == "databricks" or parts.scheme == "databricks":  # a Databricks CLI profile
-        return None
-    allowed = (
-        "use http(s)://host:port for a server, file:/absolute/path for a folder, "
-        "or null for a file store in the run dir"
-    )
-    if parts.scheme not in MLFLOW_SCHEMES:
-        return f"{parts.scheme or 'no'} scheme; {allowed}"
-    if parts.scheme == "file":
-        return None if parts.path.startswith("/") else f"not an absolute path; {allowed}"
-    try:
-        port = parts.port
-    except ValueError as err:  # not a number, or out of range
-        return f"{err}; {allowed}"
-    if not parts.hostname or port == 0:
-        return f"no host and port to reach; {allowed}"
-    return None
-
-
-def chosen_loggers(self: Any) -> list[str]:
-    """LoggersConfig.chosen(): the loggers a config uses, in the order they registered."""
-    return [f.name for f in fields(self) if getattr(self, f.name) is not None]
-
-
-# configs/logger/*.yaml: each logger option sets its own key, so that several combine:
-# logger=[tensorboard,wandb]; a key left null is a logger not used. A key for each logger option
-# registered above, in that order.
-LoggersConfig = make_dataclass(
-    "LoggersConfig",
-    [(o.name, Optional[o.schema], field(default=None)) for o in options("logger")],
-    namespace={"chosen": chosen_loggers, "__module__": __name__},
-)
-
-
 class Precision(Enum):
     bf16 = "bf16"  # bf16 autocast on GPU
     fp16 = "fp16"  # fp16 autocast with a grad scaler on GPU
@@ -464,83 +346,6 @@ class NcclConfig:
 
     def __post_init__(self) -> None:
         errors = nccl.config_errors(self)
-        if errors:
-            raise ConfigError(errors[0])
-
-
-class Flavor(Enum):
-    job = "job"  # batch/v1 Job, and a headless Service for several nodes: no operator needed
-    jobset = "jobset"  # a JobSet (jobset.x-k8s.io): restarts every node's pod together
-    pytorchjob = "pytorchjob"  # a Kubeflow PyTorchJob (kubeflow.org/v1): the training operator
-    trainjob = "trainjob"  # a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1)
-
-
-class AccessMode(Enum):
-    ReadWriteOnce = "ReadWriteOnce"  # one node mounts it: most default storage classes
-    ReadWriteMany = "ReadWriteMany"  # every node's pod mounts it: what several nodes need
-
-
-class TopologyMode(Enum):
-    required = "required"  # every pod in one domain of deploy.topology, or none admitted
-    preferred = "preferred"  # as few domains as the free nodes allow
-
-
-class PullPolicy(Enum):
-    IfNotPresent = "IfNotPresent"
-    Always = "Always"
-    Never = "Never"
-
-
-@dataclass
-class DeployConfig:
-    """What the k8s package renders into k8s/: the image, where it runs, the shape of the job and
-    what its pods ask of a node. k8s.checks.deploy_errors() checks the values; the hook uses it too."""
-
-    name: str = MISSING
-    image: str = MISSING
-    image_pull_policy: PullPolicy = MISSING
-    namespace: str = MISSING
-    flavor: Flavor = MISSING
-    nodes: int = MISSING
-    gpus_per_node: int = MISSING
-    cpu_per_gpu: str = MISSING
-    memory_per_gpu: str = MISSING
-    ephemeral_storage: str = MISSING
-    rdzv_port: int = MISSING
-    shm_size: str = MISSING
-    runs_storage: str = MISSING
-    runs_access_mode: AccessMode = MISSING
-    storage_class: Optional[str] = MISSING
-    runs_claim: Optional[str] = MISSING
-    backoff_limit: int = MISSING
-    max_restarts: int = MISSING
-    rdzv_timeout_s: int = MISSING
-    ttl_after_finished_s: Optional[int] = MISSING
-    active_deadline_s: Optional[int] = MISSING
-    guaranteed: bool = MISSING
-    tolerations: List[Dict[str, Any]] = MISSING
-    node_selector: Dict[str, str] = MISSING
-    affinity: Dict[str, Any] = MISSING
-    one_pod_per_node: bool = MISSING
-    extra_resources: Dict[str, int] = MISSING
-    capabilities: List[str] = MISSING
-    pod_labels: Dict[str, str] = MISSING
-    pod_annotations: Dict[str, str] = MISSING
-    image_pull_secrets: List[str] = MISSING
-    priority_class: Optional[str] = MISSING
-    queue: Optional[str] = MISSING
-    queue_priority: Optional[str] = MISSING
-    topology: Optional[str] = MISSING
-    topology_mode: TopologyMode = MISSING
-
-    def __post_init__(self) -> None:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        errors = deploy_errors(
-            {
-                key: value.value if isinstance(value, Enum) else value
-                for key, value in values.items()
-            }
-        )
         if errors:
             raise ConfigError(errors[0])
 

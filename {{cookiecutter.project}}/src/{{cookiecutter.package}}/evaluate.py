@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from . import checkpoint, process_group
-from .config import EVALUATE_SETS, ConfigError, TrainConfig, marked_keys, require, uses_cuda
+from .config import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
+from .config_error import ConfigError, require
 from .data import build_dataset
 from .exits import Exit
 from .model import build_model

@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint
 from .check import job_config
-from .config import FREE_ON_RESUME, ConfigError, TrainConfig, marked_keys
+from .config import FREE_ON_RESUME, TrainConfig, marked_keys
+from .config_error import ConfigError
 from .overrides import exit_with_error
 from .world import World
 

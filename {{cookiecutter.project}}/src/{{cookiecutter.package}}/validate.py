@@ -12,7 +12,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .config import HELD_OUT, ConfigError, NcclConfig, TrainConfig, require, uses_cuda
+from .config import HELD_OUT, NcclConfig, TrainConfig, uses_cuda
+from .config_error import ConfigError, require
 from .registry import option_of, stored_options
 from .world import World
 
