@@ -599,7 +599,7 @@ def launch(args: list[str]) -> int:
         return Exit.CONFIG_ERROR
     local_size, world_size = processes(parsed)
     one_node = world_size == local_size
-    if one_node:  # its launch names the run (several nodes: world.run_name)
+    if one_node:  # its launch names the run (several nodes: config.run_name)
         os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
     os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
     config = check.compose_and_check_or_exit(overrides)  # as the workers will compose it
