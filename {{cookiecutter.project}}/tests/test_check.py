@@ -402,10 +402,10 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
     """train's main under Hydra, in this process as `python -m` runs it: ConfigCheck checks each
     job's config once (the deploy checks with it), and RunDirGuard and main take its result. A
     sweep checks its base config too, before any job starts."""
-    from ddp_project import check, config, rundir, train
+    from ddp_project import check, deploy_config, rundir, train
 
     checked, deploy_checks, trained = [], [], []
-    real_check, real_deploy_errors = check.check_composed, config.deploy_errors
+    real_check, real_deploy_errors = check.check_composed, deploy_config.deploy_errors
 
     def counted_check(cfg, **kwargs):
         checked.append(real_check(cfg, **kwargs))
@@ -416,7 +416,7 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
         return real_deploy_errors(values)
 
     monkeypatch.setattr(check, "check_composed", counted_check)
-    monkeypatch.setattr(config, "deploy_errors", counted_deploy_errors)
+    monkeypatch.setattr(deploy_config, "deploy_errors", counted_deploy_errors)
     monkeypatch.setattr(train, "main_worker", lambda cfg, run_dir, overrides: trained.append(cfg))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train", *argv, "hydra.run.dir=run", "hydra.sweep.dir=sweep"])
