@@ -78,8 +78,10 @@ EXPECTED_FILES = {
     "src/{package}/checkpoint.py",
     "src/{package}/compilation.py",
     "src/{package}/config.py",
+    "src/{package}/config_error.py",
     "src/{package}/data.py",
     "src/{package}/ddp.py",
+    "src/{package}/deploy_config.py",
     "src/{package}/doctor.py",
     "src/{package}/evaluate.py",
     "src/{package}/exits.py",
@@ -95,12 +97,14 @@ EXPECTED_FILES = {
     "src/{package}/k8s/render.py",
     "src/{package}/k8s/sync.py",
     "src/{package}/launch.py",
+    "src/{package}/logger_config.py",
     "src/{package}/loggers.py",
     "src/{package}/log_filter.py",
     "src/{package}/metrics.py",
     "src/{package}/model.py",
     "src/{package}/nccl.py",
     "src/{package}/oom.py",
+    "src/{package}/overrides.py",
     "src/{package}/perf.py",
     "src/{package}/probe.py",
     "src/{package}/process_group.py",
@@ -108,9 +112,11 @@ EXPECTED_FILES = {
     "src/{package}/rundir.py",
     "src/{package}/run_dir_plan.py",
     "src/{package}/stopping.py",
+    "src/{package}/token_files.py",
     "src/{package}/train.py",
     "src/{package}/trainer.py",
     "src/{package}/torchrun_args.py",
+    "src/{package}/validate.py",
     "src/{package}/world.py",
     "src/{package}/worker_exits.py",
     "tests/conftest.py",
@@ -308,8 +314,8 @@ def test_the_answers_offer_what_the_package_has():
     tree = ast.parse((PACKAGE_SOURCES / "k8s" / "flavors.py").read_text())
     (table,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "FLAVORS"]
     assert [key.value for key in table.keys] == FLAVORS
-    config = ast.parse((PACKAGE_SOURCES / "config.py").read_text())
-    (flavor,) = [n for n in config.body if isinstance(n, ast.ClassDef) and n.name == "Flavor"]
+    deploy = ast.parse((PACKAGE_SOURCES / "deploy_config.py").read_text())
+    (flavor,) = [n for n in deploy.body if isinstance(n, ast.ClassDef) and n.name == "Flavor"]
     assert [n.targets[0].id for n in flavor.body if isinstance(n, ast.Assign)] == FLAVORS
     assert sorted(PROFILE_ENV) == sorted(PROFILES)
     assert sorted(p.stem for p in (PROJECT_SOURCES / "configs" / "nccl").glob("*.yaml")) == sorted(PROFILES)

@@ -19,7 +19,7 @@ from ddp_project.config import register_configs
 
 PACKAGE = "ddp_project"
 ROOT = Path(__file__).resolve().parents[1]
-RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # config.run_name's
+RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # world.run_name's
 
 
 # Modules whose every test reads what this project was made with (the k8s flavor, nodes, GPUs,

@@ -222,7 +222,7 @@ def test_nccl_values_work_as_nccl_writes_them(overrides, env):
 
 
 def test_train_reads_nccl_values_as_nccl_writes_them(tmp_path):
-    """train's own command line (config.hydra_argv), which the launcher hands the overrides to."""
+    """train's own command line (overrides.hydra_argv), which the launcher hands the overrides to."""
     done = subprocess.run(
         [sys.executable, "-m", f"{PACKAGE}.train", "--cfg", "job", "nccl.debug_subsys=INIT,NET",
          "nccl.env.NCCL_ALGO=Ring,Tree", "nccl.socket_ifname=^lo"],
@@ -258,7 +258,7 @@ def test_the_config_names_the_nccl_profile_it_was_composed_with(profile):
 def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy):
     """Set on the command line, or a profile file copied from another without its name changed."""
     from ddp_project.check import compose_and_check, describe
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     assert config_problem(["nccl=pcie_safe", "nccl.profile=socket"]) == (
         "nccl.profile=socket: must be pcie_safe, the name of the profile nccl=pcie_safe chose; "
@@ -298,7 +298,7 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
     from ddp_project.check import compose_and_check, describe
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     (configs_copy / "local" / "default.yaml").write_bytes(text)
     with pytest.raises(ConfigError) as failure:
@@ -308,9 +308,9 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
 
 
 def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):
-    """config.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
+    """overrides.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
     against OmegaConf's own loader on every file the project ships and on each refused above."""
-    from ddp_project.config import hydras_yaml_loaders
+    from ddp_project.overrides import hydras_yaml_loaders
 
     fast, exact = hydras_yaml_loaders()
     assert fast is not exact  # PyYAML's wheels carry libyaml
@@ -326,7 +326,7 @@ def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuse
 
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
     from ddp_project.check import compose_and_check
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     (configs_copy / "local" / "default.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):
@@ -336,13 +336,13 @@ def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
 def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
     configs_copy, monkeypatch, capsys
 ):
-    """train's command line (config.hydra_argv) reads configs/ before Hydra does."""
-    from ddp_project import config
+    """train's command line (overrides.hydra_argv) reads configs/ before Hydra does."""
+    from ddp_project import overrides
 
     (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
-    monkeypatch.setattr(config, "configs_folder", lambda: configs_copy)
+    monkeypatch.setattr(overrides, "configs_folder", lambda: configs_copy)
     with pytest.raises(SystemExit) as stopped:
-        config.hydra_argv(["trainer.max_steps=3"])
+        overrides.hydra_argv(["trainer.max_steps=3"])
     assert stopped.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     where = configs_copy / "local" / "default.yaml"
@@ -402,10 +402,10 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
     """train's main under Hydra, in this process as `python -m` runs it: ConfigCheck checks each
     job's config once (the deploy checks with it), and RunDirGuard and main take its result. A
     sweep checks its base config too, before any job starts."""
-    from ddp_project import check, config, rundir, train
+    from ddp_project import check, deploy_config, rundir, train
 
     checked, deploy_checks, trained = [], [], []
-    real_check, real_deploy_errors = check.check_composed, config.deploy_errors
+    real_check, real_deploy_errors = check.check_composed, deploy_config.deploy_errors
 
     def counted_check(cfg, **kwargs):
         checked.append(real_check(cfg, **kwargs))
@@ -416,7 +416,7 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
         return real_deploy_errors(values)
 
     monkeypatch.setattr(check, "check_composed", counted_check)
-    monkeypatch.setattr(config, "deploy_errors", counted_deploy_errors)
+    monkeypatch.setattr(deploy_config, "deploy_errors", counted_deploy_errors)
     monkeypatch.setattr(train, "main_worker", lambda cfg, run_dir, overrides: trained.append(cfg))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train", *argv, "hydra.run.dir=run", "hydra.sweep.dir=sweep"])

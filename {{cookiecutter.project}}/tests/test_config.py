@@ -8,12 +8,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from ddp_project import nccl
-from ddp_project.config import (
-    Backend,
-    ConfigError,
-    TrainConfig,
-    check_composed,
-)
+from ddp_project.config import Backend, TrainConfig
+from ddp_project.config_error import ConfigError
+from ddp_project.validate import check_composed
 
 PROFILE_ENV = {
     "auto": {},
@@ -160,7 +157,7 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
 def test_nccl_overrides_are_rewritten_once_and_only_theirs():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from ddp_project.config import hydra_overrides
+    from ddp_project.overrides import hydra_overrides
 
     given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
              "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
@@ -178,13 +175,13 @@ def test_nccl_overrides_are_rewritten_once_and_only_theirs():
     assert sweeps == ["nccl.debug", "nccl.env.NCCL_PROTO"]
 
 
-def test_configs_are_found_where_the_configs_package_is_not_beside_config_py(monkeypatch):
-    """An editable install maps <package>.configs to the project's configs/, away from config.py
-    (the Quick start's make test failed on that); config.py's place must not matter."""
+def test_configs_are_found_where_the_configs_package_is_not_beside_overrides_py(monkeypatch):
+    """An editable install maps <package>.configs to the project's configs/, away from overrides.py
+    (the Quick start's make test failed on that); overrides.py's place must not matter."""
     from pathlib import Path
 
-    from ddp_project import config, configs
+    from ddp_project import configs, overrides
 
     package = Path(configs.__file__).parent
-    monkeypatch.setattr(config, "__file__", "/nowhere/config.py")
-    assert config.configs_folder() == package and (package / "train.yaml").is_file()
+    monkeypatch.setattr(overrides, "__file__", "/nowhere/overrides.py")
+    assert overrides.configs_folder() == package and (package / "train.yaml").is_file()

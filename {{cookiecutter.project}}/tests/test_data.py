@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import PACKAGE
 
-from ddp_project import config
+from ddp_project import token_files, validate
 from ddp_project.check import compose_and_check, config_problem
-from ddp_project.config import ConfigError, check_data
+from ddp_project.config_error import ConfigError
 from ddp_project.data import prepare
+from ddp_project.validate import check_data
 from ddp_project.world import World
 
 GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
@@ -20,7 +21,7 @@ GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
 
 @pytest.fixture(autouse=True)
 def no_earlier_scan(monkeypatch):
-    monkeypatch.delenv(config.SCANNED_VAR, raising=False)
+    monkeypatch.delenv(token_files.SCANNED_VAR, raising=False)
 
 
 def tokens(path, ids):
@@ -99,7 +100,7 @@ def test_an_empty_path_is_one_line():
 
 def test_a_huge_token_file_is_scanned_a_chunk_at_a_time(tmp_path, monkeypatch):
     """The largest id is found wherever it is, in memory that does not grow with the file."""
-    monkeypatch.setattr(config, "CHUNK_TOKENS", 1000)
+    monkeypatch.setattr(token_files, "CHUNK_TOKENS", 1000)
     path = tmp_path / "huge.bin"
     with path.open("wb") as file:
         file.truncate(2 * 10**7)  # 20 MB of zeros, sparse on disk
@@ -107,7 +108,7 @@ def test_a_huge_token_file_is_scanned_a_chunk_at_a_time(tmp_path, monkeypatch):
         file.write(np.uint16(999).tobytes())
     tracemalloc.start()
     try:
-        assert config.largest_token(path) == (999, 10**7 - 3)
+        assert token_files.largest_token(path) == (999, 10**7 - 3)
         assert tracemalloc.get_traced_memory()[1] < 2**20
     finally:
         tracemalloc.stop()
@@ -121,15 +122,17 @@ def test_a_scan_is_reused_by_the_processes_started_after_it_until_the_file_chang
         np, "memmap", lambda *args, **kwargs: reads.append(1) or memmap(*args, **kwargs)
     )
     path = tokens(tmp_path / "t.bin", [3, 1, 4, 1, 5, 9, 2, 6])
-    assert config.largest_token(path) == (9, 5) and len(reads) == 1
-    assert config.SCANNED_VAR in os.environ  # what torchrun's workers inherit from the launcher
-    assert config.largest_token(path) == (9, 5) and len(reads) == 1
+    assert token_files.largest_token(path) == (9, 5) and len(reads) == 1
+    assert (
+        token_files.SCANNED_VAR in os.environ
+    )  # what torchrun's workers inherit from the launcher
+    assert token_files.largest_token(path) == (9, 5) and len(reads) == 1
     before = path.stat().st_mtime_ns
     tokens(path, [3, 1, 4, 1, 5, 9, 2, 60])  # the same size and inode: its time tells
     os.utime(path, ns=(before + 10**9, before + 10**9))
-    assert config.largest_token(path) == (60, 7) and len(reads) == 2
-    monkeypatch.setenv(config.SCANNED_VAR, "{not json")
-    assert config.largest_token(path) == (60, 7) and len(reads) == 3
+    assert token_files.largest_token(path) == (60, 7) and len(reads) == 2
+    monkeypatch.setenv(token_files.SCANNED_VAR, "{not json")
+    assert token_files.largest_token(path) == (60, 7) and len(reads) == 3
 
 
 def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
@@ -167,8 +170,8 @@ def test_from_saved_passes_held_out_to_the_data_check():
         OmegaConf.structured(compose_and_check(["data.num_samples=1000"])), enum_to_str=True
     )
     with pytest.raises(ConfigError, match="training samples"):
-        config.from_saved(saved, ["data.batch_size=100000"])
-    assert config.from_saved(saved, ["data.batch_size=100000"], held_out=True)
+        validate.from_saved(saved, ["data.batch_size=100000"])
+    assert validate.from_saved(saved, ["data.batch_size=100000"], held_out=True)
 
 
 def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):

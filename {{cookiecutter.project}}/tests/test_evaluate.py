@@ -17,12 +17,8 @@ from omegaconf import OmegaConf
 
 from ddp_project import check
 from ddp_project import evaluate as evaluate_module
-from ddp_project.config import (
-    HELD_OUT,
-    ConfigError,
-    TrainConfig,
-    register_configs,
-)
+from ddp_project.config import HELD_OUT, TrainConfig, register_configs
+from ddp_project.config_error import ConfigError
 from ddp_project.data import TokenFile, build_dataset, prepare
 from ddp_project.model import build_model
 from ddp_project.trainer import Trainer
@@ -340,7 +336,7 @@ def test_an_unusable_token_file_is_one_line(tmp_path, monkeypatch, capsys, path,
     monkeypatch.setattr(sys, "argv", ["check", "model=gpt", "data=tokens", f"data.path={path}"])
     try:
         code = check.main()
-    except SystemExit as stop:  # config.exit_with_error
+    except SystemExit as stop:  # overrides.exit_with_error
         code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(message), err

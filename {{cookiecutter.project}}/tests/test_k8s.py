@@ -12,10 +12,10 @@ from conftest import PACKAGE, deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
 from ddp_project.check import config_problem
-from ddp_project.config import hydra_overrides
 from ddp_project.exits import Exit
 from ddp_project.k8s import apply, meta, pods, render, sync
 from ddp_project.k8s.flavors import FLAVORS
+from ddp_project.overrides import hydra_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [
@@ -223,7 +223,7 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     import torch
 
     from ddp_project.check import compose_and_check
-    from ddp_project.config import ConfigError
+    from ddp_project.config_error import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert compose_and_check(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"

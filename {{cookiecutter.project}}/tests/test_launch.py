@@ -68,7 +68,7 @@ def test_a_bad_argument_is_one_line_before_any_worker_starts(
     monkeypatch.chdir(tmp_path)
     try:
         code = launcher.main(["train", *args])
-    except SystemExit as stop:  # config.exit_with_error
+    except SystemExit as stop:  # overrides.exit_with_error
         code = stop.code
     out, err = capsys.readouterr()
     lines = stderr_lines(err)

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from ddp_project import PROJECT, check, failfast, loggers, metrics
 from ddp_project.check import config_problem
-from ddp_project.config import (
-    ConfigError,
+from ddp_project.config_error import ConfigError
+from ddp_project.logger_config import (
     CsvLoggerConfig,
     LoggersConfig,
     MlflowLoggerConfig,

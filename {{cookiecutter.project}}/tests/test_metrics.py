@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddp_project import loggers, metrics
-from ddp_project.config import CsvLoggerConfig, LoggersConfig
+from ddp_project.logger_config import CsvLoggerConfig, LoggersConfig
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from ddp_project import nccl
-from ddp_project.config import ConfigError, NcclConfig
+from ddp_project.config import NcclConfig
+from ddp_project.config_error import ConfigError
 from ddp_project.probe import active_ib_ports, nvlink_pairs_from_topo
 
 

@@ -191,10 +191,10 @@ def test_values_live_in_the_yaml_and_the_schemas_hold_none():
 
     from omegaconf import MISSING
 
-    from ddp_project import config
+    from ddp_project import config, deploy_config
 
     schemas = [config.MlpConfig, config.GptConfig, config.PointsConfig, config.TokensConfig,
-               config.TrainerConfig, config.DistConfig, config.DeployConfig, config.TrainConfig]  # fmt: skip
+               config.TrainerConfig, config.DistConfig, deploy_config.DeployConfig, config.TrainConfig]  # fmt: skip
     for schema in schemas:
         for field in dataclasses.fields(schema):
             assert field.default is MISSING, f"{schema.__name__}.{field.name} has a default"

@@ -16,13 +16,8 @@ from torch.utils.data import TensorDataset
 
 from ddp_project import evaluate, registry
 from ddp_project.check import compose_and_check
-from ddp_project.config import (
-    HELD_OUT,
-    ConfigError,
-    DataConfig,
-    register_configs,
-    require,
-)
+from ddp_project.config import HELD_OUT, DataConfig, register_configs
+from ddp_project.config_error import ConfigError, require
 from ddp_project.trainer import Trainer
 from ddp_project.world import World
 
@@ -97,7 +92,7 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
     assert isinstance(config.model, ToyConfig) and isinstance(config.data, SignsConfig)
     assert (config.model.bias, config.data.width) == (True, 4)
 
-    # Checked: the schema's own check, and what the model reads (config.check_combinations).
+    # Checked: the schema's own check, and what the model reads (validate.check_combinations).
     with pytest.raises(ConfigError, match=r"^data.width=0: must be at least 1$"):
         compose_and_check([*toy, "data.width=0"], configs)
     with pytest.raises(ConfigError, match=r"^model: a toy reads signed points; use data=signs$"):
@@ -120,7 +115,7 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [10, 20]
 
-    # Scored: the checkpoint's config finds its schemas in the registry (config.from_saved).
+    # Scored: the checkpoint's config finds its schemas in the registry (validate.from_saved).
     path = run_dir / "checkpoints" / "step_000000020.pt"
     result = evaluate.evaluate(path, evaluate.load(path), [], World())
     assert result["step"] == 20 and result["held_out_predictions"] == 640 // HELD_OUT

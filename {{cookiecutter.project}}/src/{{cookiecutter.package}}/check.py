@@ -7,7 +7,7 @@ process group exists, once per job: RunDirGuard and train's main take its result
 task_config). The launcher, which the Kubernetes pods run, runs it before torchrun starts.
 Its exit code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every
 failure as 1). It reads what train reads: every configs/ file as YAML, the overrides as
-config.hydra_overrides rewrites them, and a token file (config.token_file_problem).
+overrides.hydra_overrides rewrites them, and a token file (config.token_file_problem).
 """
 
 from __future__ import annotations
@@ -30,18 +30,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import loggers
-from .config import (
-    ConfigError,
-    LoggersConfig,
-    TrainConfig,
-    check_composed,
-    configs_folder,
-    exit_with_error,
-    hydra_overrides,
-    register_configs,
-    yaml_problem,
-)
+from .config import TrainConfig, register_configs
+from .config_error import ConfigError
 from .exits import Exit
+from .logger_config import LoggersConfig
+from .overrides import configs_folder, exit_with_error, hydra_overrides, yaml_problem
+from .validate import check_composed
 
 
 def schema_keys(err: Exception) -> list[str]:
@@ -83,7 +77,7 @@ def configs_at(folder: Path | None) -> AbstractContextManager:
 
 
 def compose_train(overrides: list[str], folder: Path | None) -> DictConfig:
-    """configs/train.yaml composed with `overrides` as train reads them (config.hydra_argv), with
+    """configs/train.yaml composed with `overrides` as train reads them (overrides.hydra_argv), with
     Hydra's node as a run has it (check_composed reads the chosen NCCL profile there)."""
     problem = yaml_problem(folder or configs_folder())
     if problem:
@@ -109,7 +103,7 @@ def compose_and_check(
     """The config train would run with `overrides`, composed here and checked (the loggers too);
     raises on a bad one. For code that has overrides, not a composed config: the tests, and the
     commands through compose_and_check_or_exit. A DictConfig already composed:
-    config.check_composed."""
+    validate.check_composed."""
     config = check_composed(compose_train(overrides, folder), this_node=this_node)
     if this_node:
         check_loggers(config)
@@ -120,7 +114,7 @@ def compose_and_check_or_exit(
     overrides: list[str], folder: Path | None = None, this_node: bool = True
 ) -> TrainConfig:
     """compose_and_check for a command (the launcher, k8s, bench): a bad config is one
-    `config error:` line and exit 2 (config.exit_with_error)."""
+    `config error:` line and exit 2 (overrides.exit_with_error)."""
     try:
         return compose_and_check(overrides, folder, this_node)
     except CONFIG_ERRORS as err:

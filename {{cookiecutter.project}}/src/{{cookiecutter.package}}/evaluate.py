@@ -27,19 +27,13 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from . import checkpoint, process_group
-from .config import (
-    EVALUATE_SETS,
-    ConfigError,
-    TrainConfig,
-    from_saved,
-    marked_keys,
-    require,
-    uses_cuda,
-)
+from .config import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
+from .config_error import ConfigError, require
 from .data import build_dataset
 from .exits import Exit
 from .model import build_model
 from .trainer import AUTOCAST
+from .validate import from_saved
 from .world import World
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.

@@ -63,8 +63,8 @@ from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser, run
 
 from . import check, rundir
-from .config import RUN_NAME_VAR, exit_with_error, run_name_for
 from .oom import MemoryWatch
+from .overrides import exit_with_error
 from .run_dir_plan import explicit_run_dir, new_part, of_value, planned_run_dir, remove_empty
 from .torchrun_args import (
     RENDEZVOUS,
@@ -77,6 +77,7 @@ from .torchrun_args import (
     split,
 )
 from .worker_exits import SAID_ALREADY, SaidBelow, summary
+from .world import RUN_NAME_VAR, run_name_for
 
 PACKAGE = __package__
 COMMAND = PROJECT
@@ -157,7 +158,7 @@ def launch(args: list[str]) -> int:
         return Exit.CONFIG_ERROR
     local_size, world_size = processes(parsed)
     one_node = world_size == local_size
-    if one_node:  # its launch names the run (several nodes: config.run_name)
+    if one_node:  # its launch names the run (several nodes: world.run_name)
         os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
     os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
     config = check.compose_and_check_or_exit(overrides)  # as the workers will compose it

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from . import PROJECT
-from .config import (
-    ConfigError,
+from .config_error import ConfigError
+from .logger_config import (
     CsvLoggerConfig,
     LoggersConfig,
     MlflowLoggerConfig,

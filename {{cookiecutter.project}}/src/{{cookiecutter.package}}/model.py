@@ -98,5 +98,5 @@ class Gpt(nn.Module):
 
 def build_model(cfg: Any, data: DataConfig) -> nn.Module:
     """The model option's builder, given its schema and the data's. check.ConfigCheck has made
-    sure the model and data options fit together (config.check_combinations)."""
+    sure the model and data options fit together (validate.check_combinations)."""
     return builder_of(cfg)(cfg, data)

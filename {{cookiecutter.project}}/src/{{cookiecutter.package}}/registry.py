@@ -9,8 +9,8 @@ because checking a config (and rendering k8s/) reads the schemas without importi
   logger  loggers.py  (cfg, run_dir, start_step, config) -> an object with log(row) and close(),
                       or None for nothing to start
 Everything that differs between options reads these two: Hydra's ConfigStore
-(config.register_configs), the model-and-data check (config.check_combinations), the schema of a
-checkpoint's config (config.from_saved), the logger group's keys (config.LoggersConfig) and their
+(config.register_configs), the model-and-data check (validate.check_combinations), the schema of a
+checkpoint's config (validate.from_saved), the logger group's keys (logger_config.LoggersConfig) and their
 packages, build_model, build_dataset and loggers.build.
 """
 
@@ -31,7 +31,7 @@ class Option:
     schema: type  # the dataclass that YAML fills: types and checks
     what: str  # how a message names what it is: "an MLP", "labelled points"
     # model and data: the name the YAML's defaults list gives its schema (mlp_schema); loggers
-    # have none, as each sets a key of the one logger schema (config.LoggersConfig)
+    # have none, as each sets a key of the one logger schema (logger_config.LoggersConfig)
     stored_as: str | None = None
     reads: type | None = None  # a model: the schema of the data it reads
     package: tuple[str, str] | None = None  # a logger: (the module it imports, its pip extra)

@@ -9,7 +9,8 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from . import check, checkpoint, rundir
-from .config import exit_with_error, hydra_overrides, register_configs
+from .config import register_configs
+from .overrides import exit_with_error, hydra_overrides
 
 
 def explicit_run_dir(overrides: list[str]) -> Path | None:

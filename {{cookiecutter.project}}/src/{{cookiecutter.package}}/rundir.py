@@ -27,13 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint
 from .check import job_config
-from .config import (
-    FREE_ON_RESUME,
-    ConfigError,
-    TrainConfig,
-    exit_with_error,
-    marked_keys,
-)
+from .config import FREE_ON_RESUME, TrainConfig, marked_keys
+from .config_error import ConfigError
+from .overrides import exit_with_error
 from .world import World
 
 LOCK = ".lock"
@@ -186,7 +182,9 @@ def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[
     those that trainer.accept_changes names."""
     now = flat(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
     before = flat(saved)
-    accepted = tuple(config.trainer.accept_changes)  # keys, or groups (config.check_accept_changes)
+    accepted = tuple(
+        config.trainer.accept_changes
+    )  # keys, or groups (validate.check_accept_changes)
     return [
         (key, before.get(key, "(absent)"), now.get(key, "(absent)"))
         for key in sorted(before.keys() | now.keys())

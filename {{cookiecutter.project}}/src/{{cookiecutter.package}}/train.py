@@ -28,14 +28,9 @@ from omegaconf import DictConfig
 
 from . import PROJECT, checkpoint, failfast, metrics, nccl, probe, process_group, stopping
 from .check import task_config
-from .config import (
-    TrainConfig,
-    exit_with_error,
-    hydra_argv,
-    register_configs,
-    uses_cuda,
-)
+from .config import TrainConfig, register_configs, uses_cuda
 from .exits import Exit
+from .overrides import exit_with_error, hydra_argv
 from .trainer import Trainer
 from .world import World
 

@@ -1,10 +1,15 @@
-"""Where this process stands in its launch, read from torchrun's environment in one place."""
+"""Where this process stands in its launch, and the launch's run name, read from torchrun's
+environment in one place."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,3 +46,45 @@ class World:
     def main(self) -> bool:
         """Global rank 0: the one that writes the run's record and checkpoints."""
         return self.rank == 0
+
+
+RUN_NAME_VAR = "DDP_RUN_NAME"  # the launcher names the run for its workers
+
+
+def run_name_for(started: float, ident: str) -> str:
+    """`<local start time>_<6 hex>`: runs sort by when they started."""
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"_{ident[:6]}"
+
+
+def start_time(pid: int) -> float:
+    """When a process started, from /proc (the current time where /proc cannot tell)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        stat = Path("/proc/stat").read_text().split()
+        boot = float(stat[stat.index("btime") + 1])
+    except (OSError, IndexError, ValueError):
+        return time.time()
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_name() -> str:
+    """Resolver: one name per launch, the same in every worker of it. The launcher's
+    (RUN_NAME_VAR); under torchrun alone, from torchrun, the workers' parent: its start time and
+    run id; across several nodes, where the start times differ, `run-<rendezvous id>`; without
+    torchrun, this process's start time."""
+    given = os.environ.get(RUN_NAME_VAR)
+    if given:
+        return given
+    world = World.from_env()
+    run_id = world.run_id or "none"  # torchrun's own default is "none" too
+    if world.size > world.local_size and run_id != "none":
+        return f"run-{run_id}"
+    parent = os.getppid() if world.launched else os.getpid()
+    started = start_time(parent)
+    ident = hashlib.sha1(f"{run_id}-{parent}-{started}".encode()).hexdigest()
+    return run_name_for(started, ident)
+
+
+def rank_zero_only(value: Any) -> Any:
+    """Resolver: the value on global rank 0, None on the others (set by torchrun)."""
+    return value if World.from_env().main else None

@@ -1,5 +1,5 @@
 """One builder per workload kind, and the table FLAVORS that deploy.flavor picks from. A new
-flavor is a builder here and an entry in the table (and its name in config.Flavor)."""
+flavor is a builder here and an entry in the table (and its name in deploy_config.Flavor)."""
 
 from __future__ import annotations
 
