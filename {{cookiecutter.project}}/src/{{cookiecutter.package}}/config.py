@@ -380,6 +380,17 @@ def marked_keys(mark: dict[str, bool]) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by dotted key, as overrides name them: trainer.lr."""
+    leaves: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            leaves |= dotted(value, f"{prefix}{key}.")
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
+
+
 def uses_cuda(backend: Backend) -> bool:
     import torch  # here, so that rendering k8s/ needs no torch
 

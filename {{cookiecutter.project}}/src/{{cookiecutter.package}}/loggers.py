@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from . import PROJECT
+from .config import dotted
 from .config_error import ConfigError
 from .logger_config import (
     CsvLoggerConfig,
@@ -237,23 +238,13 @@ class Mlflow:
         run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_dir.name)
         saved.write_text(run.info.run_id + "\n")
         if run_id is None:
-            mlflow.log_params(flat(config))
+            mlflow.log_params(dotted(config))
 
     def log(self, row: dict[str, Any]) -> None:
         self.mlflow.log_metrics(scalars(row), step=row["step"])
 
     def close(self) -> None:
         self.mlflow.end_run()
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def cause(err: BaseException) -> str:

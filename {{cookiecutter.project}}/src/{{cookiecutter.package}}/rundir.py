@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint
 from .check import job_config
-from .config import FREE_ON_RESUME, TrainConfig, marked_keys
+from .config import FREE_ON_RESUME, TrainConfig, dotted, marked_keys
 from .config_error import ConfigError
 from .overrides import exit_with_error
 from .world import World
@@ -169,19 +169,11 @@ def refuse_if_busy(run_dir: Path) -> None:
         os.close(fd)
 
 
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        return {
-            k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()
-        }
-    return {prefix[:-1]: tree}
-
-
 def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[str, Any, Any]]:
     """Keys that change what the run computes and differ from the checkpoint's config, less
     those that trainer.accept_changes names."""
-    now = flat(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
-    before = flat(saved)
+    now = dotted(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
+    before = dotted(saved)
     accepted = tuple(
         config.trainer.accept_changes
     )  # keys, or groups (validate.check_accept_changes)
