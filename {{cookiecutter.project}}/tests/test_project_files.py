@@ -219,3 +219,14 @@ def test_every_yaml_value_says_what_it_is_for():
             if sets_a_value and "#" not in line:
                 bare.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert bare == []
+
+
+def test_the_readmes_layout_names_every_module():
+    """The README's Layout is the package map a newcomer reads first: a module it does not name
+    is one they will not find."""
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "src" / PACKAGE
+    modules = {p.name for p in package.glob("*.py")} - {"__init__.py"}
+    named = set(re.findall(r"\b\w+\.py\b", layout))
+    assert modules - named == set(), "add them to the README's Layout"
+    assert named - modules == set(), "the Layout names modules that are gone"
