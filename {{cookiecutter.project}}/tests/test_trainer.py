@@ -96,17 +96,23 @@ def test_a_signal_before_the_first_step_stops_with_nothing_new_to_save(trainer_f
     assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
 
 
+def signal_during_step(trainer, step: int, signum: int) -> stopping.StopSignals:
+    """`signum` arrives while `step` runs: after its micro-batches, before the ranks agree."""
+    signals = trainer.preemption.signals = stopping.StopSignals()
+    run_step = trainer.step
+
+    def step_then_signal(*args, **kwargs):
+        run_step(*args, **kwargs)
+        if trainer.progress.step == step - 1:
+            signal.raise_signal(signum)
+
+    trainer.step = step_then_signal
+    return signals
+
+
 def test_sigint_stops_as_sigterm_does_and_exits_130(trainer_for, caplog):
     trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=0")
-    signals = trainer.preemption.signals = stopping.StopSignals()
-    step = trainer.step
-
-    def step_then_ctrl_c(*args, **kwargs):
-        step(*args, **kwargs)
-        if trainer.progress.step == 2:  # during step 3
-            signal.raise_signal(signal.SIGINT)
-
-    trainer.step = step_then_ctrl_c
+    signals = signal_during_step(trainer, 3, signal.SIGINT)
     with caplog.at_level(logging.WARNING):
         assert trainer.train() is True
     assert trainer.progress.step == 3 and signals.exit_code == 130
@@ -118,15 +124,7 @@ def test_sigterm_between_checkpoints_saves_at_the_step_it_stops_at(trainer_for, 
     """The Trainer owns the stop: the step the ranks agree on is off the Checkpointer's
     schedule, and the Trainer has it saved there."""
     trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=5")
-    signals = trainer.preemption.signals = stopping.StopSignals()
-    step = trainer.step
-
-    def step_then_sigterm(*args, **kwargs):
-        step(*args, **kwargs)
-        if trainer.progress.step == 6:  # during step 7
-            signal.raise_signal(signal.SIGTERM)
-
-    trainer.step = step_then_sigterm
+    signals = signal_during_step(trainer, 7, signal.SIGTERM)
     with caplog.at_level(logging.WARNING):
         assert trainer.train() is True
     assert trainer.progress.step == 7 and signals.exit_code == 143
