@@ -24,7 +24,8 @@ from ddp_project.world import World
 
 @dataclass
 class SignsConfig(DataConfig):
-    """configs/data/signs.yaml: Gaussian points labelled by the sign of their sum."""
+    """The signs option (its YAML, signs.yaml, written into a copy of configs/data): Gaussian points
+    labelled by the sign of their sum."""
 
     width: int = MISSING
 
@@ -43,7 +44,7 @@ def signs(cfg: SignsConfig, seed: int, held_out: bool) -> TensorDataset:
 
 @dataclass
 class ToyConfig:
-    """configs/model/toy.yaml: one linear layer."""
+    """The toy option (toy.yaml, written into a copy of configs/model): one linear layer."""
 
     bias: bool = MISSING
 
