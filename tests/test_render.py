@@ -138,6 +138,7 @@ EXPECTED_FILES = {
     "tests/test_nccl.py",
     "tests/test_perf.py",
     "tests/test_probe.py",
+    "tests/test_process_group.py",
     "tests/test_registry.py",
     "tests/test_resume.py",
     "tests/test_rundir.py",

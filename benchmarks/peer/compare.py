@@ -26,7 +26,8 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_project import bench, check, compilation, perf, train
+from ddp_project import bench, check, compilation, perf, process_group, train
+from ddp_project.config import uses_cuda
 from ddp_project.model import build_model
 from ddp_project.trainer import AUTOCAST
 from ddp_project.world import World
@@ -100,7 +101,7 @@ def lightning_ms(cfg, world: World, device: torch.device, typical: bool, scratch
         enable_checkpointing=False, enable_model_summary=False, callbacks=[windows],
         enable_progress_bar=typical and world.main, logger=typical, default_root_dir=scratch,
     )  # fmt: skip
-    data = torch.utils.data.DataLoader(FixedBatches(bench.random_batch(cfg, device)), batch_size=None)
+    data = torch.utils.data.DataLoader(FixedBatches(bench.first_batches(cfg, 1, device)[0]), batch_size=None)
     trainer.fit(Module(model, cfg, typical), data)
     return windows.median_ms()
 
@@ -115,46 +116,46 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
         scratch = Path(tmp)
         train.apply_nccl_env(cfg, world, scratch)
-        device = train.select_device(cfg, world)
-        train.init_process_group(cfg, world, device)
-        control = train.control_group(cfg, world)
-        loops = ["template", "hand-written", "Lightning typical", "Lightning lean"]
-        times: dict[str, list[float]] = {loop: [] for loop in loops}
-        for pair in range(PAIRS):
-            for loop in loops[pair % 4 :] + loops[: pair % 4]:
-                run_dir = scratch / f"{loop.replace(' ', '-')}-{pair}"
-                if loop == "template":
-                    ms = bench.template_ms(cfg, world, device, control, run_dir, warmup, steps)
-                elif loop == "hand-written":
-                    ms = bench.reference_ms(cfg, world, device, warmup, steps)
-                else:
-                    ms = lightning_ms(cfg, world, device, loop == "Lightning typical", run_dir, warmup, steps)
-                times[loop].append(ms)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                dist.barrier(group=control)
-                if world.main:
-                    print(f"pair {pair} {loop}: {ms:.2f} ms/step", flush=True)
-        if world.main:
-            with torch.device("meta"):
-                model = build_model(cfg.model, cfg.data)
-            tokens = cfg.data.batch_size * getattr(model, "tokens_per_sample", 1)
-            name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-            peak = perf.peak_flops(name) if device.type == "cuda" else None
-            print(f"{name} x {world.size}, torch {torch.__version__}, Lightning {pl.__version__}; "
-                  f"{' '.join(overrides)}; {PAIRS} rounds of {steps} steps after {warmup}")  # fmt: skip
-            print(f"{'loop':20} {'ms/step median (min-max)':>28} {'/ template':>22} {'MFU':>7}")
-            for loop, ms in times.items():
-                ratio = [m / t for m, t in zip(ms, times["template"], strict=True)]
-                median = statistics.median(ms)
-                share = perf.mfu(tokens / (median / 1e3), model.flops_per_token(), 1, peak) or 0.0
-                print(f"{loop:20} {median:9.2f} ({min(ms):.2f}-{max(ms):.2f})      "
-                      f"{statistics.median(ratio):.3f} ({min(ratio):.3f}-{max(ratio):.3f})   {share:.3f}")  # fmt: skip
-                print(f"RESULT {loop} gpus={world.size} {' '.join(overrides)} median_ms={statistics.median(ms):.3f} "
-                      f"ratio={statistics.median(ratio):.4f} ratio_min={min(ratio):.4f} ratio_max={max(ratio):.4f} "
-                      f"mfu={share}")  # fmt: skip
-        dist.barrier()
-        dist.destroy_process_group()
+        device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+        with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
+            control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
+            loops = ["template", "hand-written", "Lightning typical", "Lightning lean"]
+            times: dict[str, list[float]] = {loop: [] for loop in loops}
+            for pair in range(PAIRS):
+                for loop in loops[pair % 4 :] + loops[: pair % 4]:
+                    run_dir = scratch / f"{loop.replace(' ', '-')}-{pair}"
+                    if loop == "template":
+                        ms = bench.template_ms(cfg, world, device, control, run_dir, warmup, steps)
+                    elif loop == "hand-written":
+                        ms = bench.reference_ms(cfg, world, device, warmup, steps)
+                    else:
+                        ms = lightning_ms(cfg, world, device, loop == "Lightning typical", run_dir, warmup, steps)
+                    times[loop].append(ms)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    dist.barrier(group=control)
+                    if world.main:
+                        print(f"pair {pair} {loop}: {ms:.2f} ms/step", flush=True)
+            if world.main:
+                with torch.device("meta"):
+                    model = build_model(cfg.model, cfg.data)
+                tokens = cfg.data.batch_size * getattr(model, "tokens_per_sample", 1)
+                name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+                peak = perf.peak_flops(name) if device.type == "cuda" else None
+                print(f"{name} x {world.size}, torch {torch.__version__}, Lightning {pl.__version__}; "
+                      f"{' '.join(overrides)}; {PAIRS} rounds of {steps} steps after {warmup}")  # fmt: skip
+                print(f"{'loop':20} {'ms/step median (min-max)':>28} {'/ template':>22} {'MFU':>7}")
+                for loop, ms in times.items():
+                    ratio = [m / t for m, t in zip(ms, times["template"], strict=True)]
+                    median = statistics.median(ms)
+                    share = perf.mfu(tokens / (median / 1e3), model.flops_per_token(), 1, peak) or 0.0
+                    print(f"{loop:20} {median:9.2f} ({min(ms):.2f}-{max(ms):.2f})      "
+                          f"{statistics.median(ratio):.3f} ({min(ratio):.3f}-{max(ratio):.3f})   "
+                          f"{share:.3f}")  # fmt: skip
+                    print(f"RESULT {loop} gpus={world.size} {' '.join(overrides)} "
+                          f"median_ms={statistics.median(ms):.3f} ratio={statistics.median(ratio):.4f} "
+                          f"ratio_min={min(ratio):.4f} ratio_max={max(ratio):.4f} mfu={share}")  # fmt: skip
+            process_group.finish_together()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 import pytest
 import yaml
 from conftest import PACKAGE
+from omegaconf import OmegaConf
 
 from ddp_project.check import config_problem
 
@@ -270,6 +271,29 @@ def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy)
     with pytest.raises(ConfigError) as failure:
         compose_and_check(["nccl=mine"], configs_copy)
     assert describe(failure.value).startswith("nccl.profile=socket: must be mine, the name of")
+
+
+def test_a_profile_file_of_ones_own_without_its_name_is_named_by_its_file(configs_copy):
+    """A profile written before nccl.profile existed, or without the line: the file's name."""
+    from ddp_project.check import compose_and_check
+
+    nccl = configs_copy / "nccl"
+    mine = "".join(
+        line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
+        if not line.startswith("profile:")
+    )  # fmt: skip
+    (nccl / "mine.yaml").write_text(mine)
+    assert compose_and_check(["nccl=mine"], configs_copy, this_node=False).nccl.profile == "mine"
+
+
+def test_the_checked_job_is_forgotten_when_it_ends(monkeypatch):
+    """A later main() in the same process (a test, a notebook) into the same run dir is checked
+    anew, not handed the previous job's config."""
+    from ddp_project import check
+
+    monkeypatch.setattr(check, "_job", check.CheckedJob(OmegaConf.create({}), None))
+    check.ConfigCheck().on_job_end(OmegaConf.create({}))
+    assert check._job is None
 
 
 NOT_YAML = [

@@ -168,7 +168,9 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
     train.apply_nccl_env(cfg, world, scratch)
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
-    with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
+    with process_group.initialized(
+        world, device, timeout_s=cfg.dist.timeout_s, destroy_on_error=False
+    ):
         control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
         sizes = sorted({1, world.size})
         times = {n: {"template": [], "reference": []} for n in sizes}

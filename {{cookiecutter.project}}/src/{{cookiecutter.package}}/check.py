@@ -201,6 +201,10 @@ class ConfigCheck(Callback):
         if _job is None or _job.composed is not config:  # a run's job: checked on_run_start
             self.on_run_start(config)  # each job of a sweep, with its own overrides
 
+    def on_job_end(self, config: DictConfig, **kwargs: object) -> None:
+        global _job
+        _job = None  # a later main() in this process (a test, a notebook) is checked anew
+
 
 def job_config(composed: DictConfig) -> TrainConfig:
     """The checked config of the job Hydra passed the callbacks `composed` for: ConfigCheck's

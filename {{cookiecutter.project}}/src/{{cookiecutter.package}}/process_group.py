@@ -29,10 +29,15 @@ def select_device(cuda: bool, world: World) -> torch.device:
 
 @contextmanager
 def initialized(
-    world: World, device: torch.device, timeout_s: float | None = None
+    world: World,
+    device: torch.device,
+    timeout_s: float | None = None,
+    destroy_on_error: bool = True,
 ) -> Iterator[None]:
     """The default group over the world, NCCL on a GPU and gloo on the CPU, destroyed on the way
-    out. timeout_s bounds every collective (None: torch's default)."""
+    out. timeout_s bounds every collective (None: torch's default). destroy_on_error=False leaves
+    the group as it is when an exception ends the block: destroying a communicator that a failed
+    collective left behind can hang for good (the doctor's all-reduce, the bench)."""
     # Without torchrun (plain `python -m`) there is no rendezvous: a group of one.
     standalone = {} if world.launched else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     cuda = device.type == "cuda"
@@ -44,8 +49,11 @@ def initialized(
     )
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        if destroy_on_error:
+            dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
 
 
 def control_group(world: World, timeout_s: float) -> dist.ProcessGroup | None:

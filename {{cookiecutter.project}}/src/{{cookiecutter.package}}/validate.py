@@ -105,6 +105,8 @@ def check_composed(
     check_keys(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)
     if chosen is not None:
+        if config.nccl.profile is None:  # a profile file of one's own, without the line
+            config.nccl.profile = chosen
         check_profile_name(config.nccl, chosen)
     if this_node:
         check_devices(config, world)
