@@ -105,26 +105,32 @@ def test_a_tag_that_k8s_does_not_pull_pushes_nothing_and_says_what_to_set(defaul
     )
 
 
+DIGEST = "@sha256:" + "a" * 64
+
+
 @pytest.mark.parametrize(
-    ("image", "tag", "registry"),
+    ("image", "tag", "outcome"),
     [
-        ("acme/trainer:1.0.0", "v1.0.0", "docker.io"),  # Docker Hub: no registry named
-        ("localhost/trainer:1.0.0", "v1.0.0", "localhost"),
-        ("ghcr.io/acme/trainer:1.0.0@sha256:" + "a" * 64, "v1.0.0", None),  # a digest: not what a push makes
-        ("ghcr.io/acme/trainer@sha256:" + "a" * 64, "v1.0.0", None),
-        ("ghcr.io/acme/trainer:1.0.0", "v1.0.1", None),
+        ("acme/trainer:1.0.0", "v1.0.0", "registry=docker.io"),  # Docker Hub: no registry named
+        ("localhost/trainer:1.0.0", "v1.0.0", "registry=localhost"),
+        # A digest names a build made before the push: the tagged commit names the tag.
+        (f"ghcr.io/acme/trainer:1.0.0{DIGEST}", "v1.0.0", "set deploy.image=ghcr.io/acme/trainer:1.0.0"),
+        (f"ghcr.io/acme/trainer{DIGEST}", "v1.0.0", "set deploy.image=ghcr.io/acme/trainer:1.0.0"),
+        (f"example.com:5000/trainer{DIGEST}", "v1.0.0", "set deploy.image=example.com:5000/trainer:1.0.0"),  # a port
+        ("ghcr.io/acme/trainer:1.0.0", "v1.0.1", "set deploy.image=ghcr.io/acme/trainer:1.0.1"),
     ],
 )
 def test_the_registry_follows_dockers_naming_and_only_the_tags_own_image_is_pushed(
-    default_project, tmp_path, image, tag, registry
+    default_project, tmp_path, image, tag, outcome
 ):
     """The images a user may set in deploy.image, in k8s/ as the renderer writes them."""
     (tmp_path / "k8s").mkdir()
     (tmp_path / "k8s" / "job.yaml").write_text(f"spec:\n  containers:\n    - name: node\n      image: {image}\n")
     (tmp_path / "k8s" / "service.yaml").write_text("kind: Service\n")
     done, outputs = tag_check(default_project, tmp_path, tag)
-    if registry is None:
-        assert done.returncode != 0 and outputs == {}, done.stdout
+    if outcome.startswith("set "):
+        assert done.returncode != 0 and outputs == {}
+        assert f": {outcome}, regenerate k8s/" in done.stdout, done.stdout
     else:
         assert done.returncode == 0, done.stdout + done.stderr
-        assert outputs == {"image": image, "registry": registry}
+        assert outputs == {"image": image, "registry": outcome.removeprefix("registry=")}
