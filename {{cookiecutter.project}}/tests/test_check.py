@@ -28,6 +28,23 @@ BAD = [
     ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
     ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
     (
+        "trainer.min_lr=-0.001",
+        "trainer.min_lr=-0.001: must be a finite number from 0 to trainer.lr=0.003",
+    ),
+    (
+        "trainer.min_lr=nan",
+        "trainer.min_lr=nan: must be a finite number from 0 to trainer.lr=0.003",
+    ),
+    # the default min_lr (0.0003) above a lowered lr: the check names min_lr, the key to lower too
+    (
+        "trainer.lr=0.0001",
+        "trainer.min_lr=0.0003: must be a finite number from 0 to trainer.lr=0.0001",
+    ),
+    (
+        "trainer.schedule=step",
+        "trainer.schedule: Invalid value 'step', expected one of [constant, linear, cosine]",
+    ),
+    (
         "trainer.max_grad_norm=0",
         "trainer.max_grad_norm=0.0: must be null (no clipping) or a finite",
     ),

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import pty
 import re
@@ -143,8 +144,9 @@ def test_csv_and_jsonl_hold_the_same_rows(run):
 
 def test_rows_carry_learning_rate_throughput_gradient_norm_and_communication_share(run):
     rows = read_metrics(run[0])
-    # linear warm-up over 40 steps: the rate used by step s is min(1, s / 40) x trainer.lr
-    assert [row["lr"] for row in rows] == pytest.approx([0.003 * 20 / 40, 0.003, 0.003])
+    # linear warm-up over 40 steps to trainer.lr, then the default cosine down to min_lr at step 60
+    assert [row["lr"] for row in rows] == pytest.approx([0.003 * 20 / 40, 0.003, 0.0003])
+    assert "  lr 0.003  " in run[1] and "  lr 0.0003  " in run[1]
     assert all(row["samples_per_s"] > 0 and row["step_time_ms"] > 0 for row in rows)
     # gloo all-reduces on a thread of its own: some of every timed step has one in flight
     assert all(0 < row["comm_share"] <= 1 for row in rows)
@@ -201,6 +203,18 @@ def test_a_resumed_run_appends_to_the_csv(resumed):
     lines = (resumed / "metrics.csv").read_text().splitlines()
     assert lines[0] == ",".join(metrics.COLUMNS) and lines.count(lines[0]) == 1
     assert [row["step"] for row in metrics.read_rows(resumed)] == [20, 40, 60, 80]
+
+
+def test_raising_max_steps_on_a_resume_stretches_the_decay_and_says_so(resumed):
+    """Resumed from step 40 with max_steps 80 for 60: the cosine from step 40 now ends at 80."""
+    decay = [0.0003 + 0.0027 * (1 + math.cos(math.pi * done)) / 2 for done in (0.05, 0.025, 0.5)]
+    assert [row["lr"] for row in read_metrics(resumed)] == pytest.approx(
+        [0.0015, 0.003, decay[2], 0.0003]
+    )
+    assert (
+        f"trainer.max_steps changed from 60 to 80: the learning rate at step 41 is {decay[1]:.3g}, "
+        f"was {decay[0]:.3g}: the decay now ends at step 80"
+    ) in (resumed / "train.log").read_text()
 
 
 def test_one_process_has_no_communication(one_process_csv):

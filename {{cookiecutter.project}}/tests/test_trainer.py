@@ -26,10 +26,10 @@ def checkpoint_names(run_dir) -> list[str]:
 
 @pytest.fixture
 def trainer_for(compose_train, tmp_path):
-    def make(*overrides: str) -> Trainer:
+    def make(*overrides: str, run: str = "run") -> Trainer:
         cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
-        (tmp_path / "run").mkdir(exist_ok=True)
-        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / "run")
+        (tmp_path / run).mkdir(exist_ok=True)
+        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / run)
 
     return make
 
@@ -131,6 +131,27 @@ def test_sigterm_between_checkpoints_saves_at_the_step_it_stops_at(trainer_for, 
     assert checkpoint_names(trainer.run_dir) == ["step_000000005.pt", "step_000000007.pt"]
     assert "SIGTERM: stopped at step 7 with a checkpoint" in caplog.text
     assert signal.getsignal(signal.SIGTERM) is not signals.handle  # handed back
+
+
+def test_a_run_stopped_mid_decay_resumes_to_the_weights_of_one_never_stopped(trainer_for):
+    """Cosine decay over steps 3 to 12, a SIGTERM at step 7: the resumed run takes each step's
+    rate from the step alone, and ends bit for bit where the uninterrupted run does, having
+    logged the same rates, min_lr at the last step."""
+    decaying = ("trainer.schedule=cosine", "trainer.warmup_steps=2", "trainer.max_steps=12",
+                "trainer.log_every=3", "trainer.checkpoint_every=100")  # fmt: skip
+    whole = trainer_for(*decaying, run="whole")
+    assert whole.train() is False
+    stopped = trainer_for(*decaying)
+    signal_during_step(stopped, 7, signal.SIGTERM)
+    assert stopped.train() is True and checkpoint_names(stopped.run_dir) == ["step_000000007.pt"]
+    resumed = trainer_for(*decaying)
+    assert resumed.train() is False
+    weights = resumed.module.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in whole.module.state_dict().items())
+    logged = [[(row["step"], row["lr"]) for row in metrics.read_rows(trainer.run_dir)]
+              for trainer in (whole, resumed)]  # fmt: skip
+    assert logged[0] == logged[1] and logged[0][-1] == (12, 0.0003)
+    assert len({lr for _, lr in logged[0]}) == 4  # a rate of its own at every logged step
 
 
 def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):

@@ -212,6 +212,12 @@ class Precision(Enum):
     fp32 = "fp32"
 
 
+class Schedule(Enum):  # the learning rate after warm-up: schedule.learning_rate
+    constant = "constant"  # trainer.lr throughout
+    linear = "linear"  # straight down to trainer.min_lr at trainer.max_steps
+    cosine = "cosine"  # half a cosine down to trainer.min_lr at trainer.max_steps
+
+
 class OnNonFinite(Enum):
     stop = "stop"  # end the run with a non-zero exit; the checkpoints stay as they were
     skip = "skip"  # drop the optimizer step of such a step (checks every step: one GPU sync each)
@@ -226,6 +232,8 @@ class TrainerConfig:
     max_steps: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     lr: float = MISSING
     warmup_steps: int = MISSING
+    schedule: Schedule = MISSING
+    min_lr: float = MISSING
     weight_decay: float = MISSING
     max_grad_norm: Optional[float] = MISSING
     on_nonfinite: OnNonFinite = field(default=MISSING, metadata=FREE_ON_RESUME)
@@ -247,6 +255,10 @@ class TrainerConfig:
             self.lr,
             "must be a finite number above 0",
         )
+        require(
+            finite(self.min_lr) and 0 <= self.min_lr <= self.lr,
+            "trainer.min_lr", self.min_lr, f"must be a finite number from 0 to trainer.lr={self.lr}",
+        )  # fmt: skip
         require(
             finite(self.weight_decay) and self.weight_decay >= 0,
             "trainer.weight_decay", self.weight_decay, "must be a finite number, 0 or more",

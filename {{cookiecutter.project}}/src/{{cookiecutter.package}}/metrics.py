@@ -83,7 +83,7 @@ class RunRecord:
             return
         line = (
             f"step {row['step']}/{row['max_steps']}  loss {row['loss']:.4f}  "
-            f"acc {row['accuracy']:.3f}  {row['samples_per_s']:.0f} samples/s  "
+            f"acc {row['accuracy']:.3f}  lr {row['lr']:.3g}  {row['samples_per_s']:.0f} samples/s  "
             f"{row['step_time_ms']:.1f} ms/step"
         )
         if row["grad_norm"] is not None:

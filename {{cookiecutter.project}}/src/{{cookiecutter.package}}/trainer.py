@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import compilation, ddp, metrics, perf
+from . import compilation, ddp, metrics, perf, schedule
 from .checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -262,6 +263,20 @@ class Trainer:
                 "resumed from the checkpoint of step %d (epoch %d, batch %d)",
                 self.progress.step, self.progress.epoch, self.progress.batch_in_epoch,
             )  # fmt: skip
+            self.report_stretched_decay(state["config"]["trainer"]["max_steps"])
+
+    def report_stretched_decay(self, old_max_steps: int) -> None:
+        """trainer.max_steps may change on a resume; where the decay ends changes with it, and so
+        does the rate from the next step on."""
+        trainer, step = self.cfg.trainer, self.progress.step + 1
+        was = schedule.learning_rate(replace(trainer, max_steps=old_max_steps), step)
+        now = schedule.learning_rate(trainer, step)
+        if now != was:
+            log.warning(
+                "trainer.max_steps changed from %d to %d: the learning rate at step %d is %.3g, "
+                "was %.3g: the decay now ends at step %d",
+                old_max_steps, trainer.max_steps, step, now, was, trainer.max_steps,
+            )  # fmt: skip
 
     def batches(self) -> Iterator[Batch]:
         """This rank's batches from where progress stands, epoch after epoch."""
@@ -279,7 +294,7 @@ class Trainer:
         """One optimizer step over the micro-batches."""
         if self.comm_timer and ends_window:
             self.comm_timer.arm()
-        lr = self.learning_rate(self.progress.step)
+        lr = schedule.learning_rate(self.cfg.trainer, self.progress.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         count, losses = len(micro_batches), []
@@ -305,13 +320,6 @@ class Trainer:
         if ends_window:
             self.window.add_accuracy(logits.detach(), labels)
             self.window.lr = lr
-
-    def learning_rate(self, steps_done: int) -> float:
-        """Linear warm-up to trainer.lr. A function of the step alone, so a resumed run follows
-        the config it is launched with."""
-        return self.cfg.trainer.lr * min(
-            1.0, (steps_done + 1) / max(1, self.cfg.trainer.warmup_steps)
-        )
 
     def no_sync(self) -> Any:
         return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()
