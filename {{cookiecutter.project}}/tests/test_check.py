@@ -27,6 +27,12 @@ BAD = [
     ("trainer.lr=inf", "trainer.lr=inf: must be a finite number above 0"),
     ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
     ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
+    ("trainer.val_every=-1", "trainer.val_every=-1: must be 0 (no validation) or more"),
+    (
+        "data.num_samples=9 data.batch_size=4",
+        "data.num_samples=9: 0 held-out sample(s) (one in 10) for 1 process(es), which need one "
+        "each; train with more data, or with trainer.val_every=0 (no validation)",
+    ),
     (
         "trainer.max_grad_norm=0",
         "trainer.max_grad_norm=0.0: must be null (no clipping) or a finite",
