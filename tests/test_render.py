@@ -111,6 +111,7 @@ EXPECTED_FILES = {
     "src/{package}/registry.py",
     "src/{package}/rundir.py",
     "src/{package}/run_dir_plan.py",
+    "src/{package}/scoring.py",
     "src/{package}/stopping.py",
     "src/{package}/token_files.py",
     "src/{package}/train.py",
