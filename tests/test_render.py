@@ -112,6 +112,7 @@ EXPECTED_FILES = {
     "src/{package}/rundir.py",
     "src/{package}/run_dir_plan.py",
     "src/{package}/schedule.py",
+    "src/{package}/scoring.py",
     "src/{package}/stopping.py",
     "src/{package}/token_files.py",
     "src/{package}/train.py",

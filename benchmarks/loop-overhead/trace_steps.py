@@ -55,7 +55,7 @@ def main() -> None:
         for round_ in range(2):
             bench.reference_ms(cfg, world, device, 10, 10)  # warm
             results["reference"] = profiled(lambda: bench.reference_ms(cfg, world, device, 0, STEPS), STEPS)
-            timed = replace(cfg.trainer, max_steps=WARMUP + STEPS, checkpoint_every=0)
+            timed = replace(cfg.trainer, max_steps=WARMUP + STEPS, checkpoint_every=0, val_every=0)
             (scratch / f"t{round_}").mkdir()
             trainer = Trainer(replace(cfg, trainer=timed), world, device, scratch / f"t{round_}", control)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

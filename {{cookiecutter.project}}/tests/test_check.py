@@ -27,6 +27,12 @@ BAD = [
     ("trainer.lr=inf", "trainer.lr=inf: must be a finite number above 0"),
     ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
     ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
+    ("trainer.val_every=-1", "trainer.val_every=-1: must be 0 (no validation) or more"),
+    (
+        "data.num_samples=9 data.batch_size=4",
+        "data.num_samples=9: 0 held-out sample(s) (one in 10) for 1 process(es), which need one "
+        "each; train with more data, or with trainer.val_every=0 (no validation)",
+    ),
     (
         "trainer.min_lr=-0.001",
         "trainer.min_lr=-0.001: must be a finite number from 0 to trainer.lr=0.003",

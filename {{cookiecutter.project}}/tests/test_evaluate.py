@@ -57,10 +57,10 @@ def train_here(cfg: TrainConfig, run_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def trained(request) -> Path:
-    """60 steps, a checkpoint at 30 and 60, in outputs/<run> of its folder; scored on one
-    process and on two below."""
+    """60 steps, a checkpoint and a validation at 30 and 60, in outputs/<run> of its folder;
+    scored on one process and on two below."""
     cwd = shared_folder(request)
-    cfg = composed("trainer.max_steps=60", "trainer.checkpoint_every=30")
+    cfg = composed("trainer.max_steps=60", "trainer.checkpoint_every=30", "trainer.val_every=30")
     train_here(cfg, cwd / "outputs" / "2026-01-01_00-00-00_aaaaaa")
     return cwd
 
@@ -94,6 +94,12 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained, run_h
     assert sharded["loss"] == pytest.approx(whole["loss"], rel=1e-5)  # two shards, one whole
     assert sharded["accuracy"] == pytest.approx(whole["accuracy"], abs=1e-9)
     assert whole["loss"] > result["loss"]  # step 30 knew less than step 60
+    # Validation while training is this score, the same figures at the same step.
+    validated = {row["step"]: row for row in read_metrics(run_dir)}
+    assert (validated[60]["val_loss"], validated[60]["val_accuracy"]) == (
+        result["loss"], result["accuracy"])  # fmt: skip
+    assert (validated[30]["val_loss"], validated[30]["val_accuracy"]) == (
+        whole["loss"], whole["accuracy"])  # fmt: skip
 
 
 # --- in-process: evaluate.main on checkpoints written here, no launch -------------------------

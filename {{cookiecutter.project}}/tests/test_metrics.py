@@ -251,7 +251,11 @@ def test_by_default_communication_and_gradient_norm_are_not_measured(default_run
     progress = [
         line for line in (run_dir / "train.log").read_text().splitlines() if "  loss " in line
     ]
-    assert len(progress) == 3 and progress[-1].endswith(" ms/step")  # nothing after the step time
+    assert len(progress) == 3 and progress[0].endswith(" ms/step")  # nothing after the step time
+    # but at the last step the validation's figures (trainer.val_every)
+    assert re.search(
+        r" ms/step  val loss \d\.\d{4}  val acc 0\.\d{3} \(\d+\.\d\d s\)$", progress[-1]
+    )
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib"}
@@ -313,12 +317,13 @@ HEADER = ",".join(metrics.COLUMNS)
 
 
 def csv_row(step: int) -> str:
-    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2,900.0,,"
+    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2,900.0,,,,,"
 
 
 def json_row(step: int) -> str:
     return json.dumps(dict(zip(metrics.COLUMNS, [step, 60, 0, 2.0 - step / 100, 0.5, None, 0.003,
-                                                   900.0, 3.5, None, 2, 900.0, None, None], strict=True)))  # fmt: skip
+                                                   900.0, 3.5, None, 2, 900.0, None, None, None, None, None],
+                                strict=True)))  # fmt: skip
 
 
 def record(run_dir: Path, start_step: int) -> metrics.RunRecord:
@@ -396,12 +401,15 @@ def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, m
     monkeypatch.setattr(
         Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))
     )
-    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,," for s in (1, 20, 40)]
+    held_out = {1: ",,", 20: "0.6,0.7,0.1", 40: "0.3,0.9,0.1"}  # val_loss, val_accuracy, val_time_s
+    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,,,{held_out[s]}"
+                        for s in (1, 20, 40)]  # fmt: skip
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
     (figure,) = drawn
     loss, speed = figure.axes
     assert loss.lines[0].get_xydata().tolist() == [[1, 10], [20, 0.5], [40, 0.25]]
+    assert loss.lines[1].get_xydata().tolist() == [[20, 0.6], [40, 0.3]]  # the validations
     assert speed.lines[0].get_xydata().tolist() == [[1, 100], [20, 2000], [40, 4000]]
     assert loss.get_yscale() == "log"  # the loss fell 40x
     assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PACKAGE, RUN_NAME, launch_command, read_metrics, shared_folder, torchrun
+from conftest import (
+    PACKAGE,
+    RUN_NAME,
+    launch_command,
+    read_metrics,
+    shared_folder,
+    torchrun,
+    train_command,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_project import data
@@ -109,6 +117,26 @@ def test_two_processes_learn_in_one_run_dir(launched_run):
     log = (run_dir / "train.log").read_text()
     assert "world size 2, backend gloo" in log and "step 150/150" in log
     assert "plot metrics.png" in log and (run_dir / "metrics.png").stat().st_size > 10_000
+
+
+def test_validation_on_two_processes_is_what_evaluate_scores_on_two(launched_run):
+    """Every trainer.val_every steps (100) and at the last: each rank scores its shard of the
+    held-out data, all-reduced; evaluate's two processes score the final checkpoint the same."""
+    cwd, _, _ = launched_run
+    (run_dir,) = (cwd / "outputs").iterdir()
+    rows = {row["step"]: row for row in read_metrics(run_dir)}
+    assert [step for step, row in rows.items() if row["val_loss"] is not None] == [100, 150]
+    assert all(rows[step]["val_time_s"] > 0 for step in (100, 150))
+    assert rows[150]["val_loss"] < rows[100]["val_loss"]
+    done = subprocess.run(
+        [*train_command(nproc=2)[:-2], "-m", f"{PACKAGE}.evaluate", f"ckpt={run_dir}"],
+        cwd=cwd, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    scored = json.loads((run_dir / "eval" / "step_000000150.json").read_text())
+    assert scored["world_size"] == 2
+    assert (scored["loss"], scored["accuracy"]) == (
+        rows[150]["val_loss"], rows[150]["val_accuracy"])  # fmt: skip
 
 
 def test_the_profile_and_overrides_are_in_place_on_every_rank_at_init(launched_run):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddp_project import metrics, stopping
+from ddp_project import metrics, scoring, stopping
 from ddp_project.checkpoint import Checkpointer, Diverged
 from ddp_project.trainer import Trainer, Window
 from ddp_project.world import World
@@ -21,7 +21,8 @@ ONE = World()
 
 
 def checkpoint_names(run_dir) -> list[str]:
-    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    """The step checkpoints, not best.pt (trainer.keep_best)."""
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
 
 
 @pytest.fixture
@@ -201,9 +202,9 @@ def test_a_windows_row_is_on_disk_before_the_checkpoint_of_its_step(trainer_for,
     )
     seen, write = {}, Checkpointer.write
 
-    def noting_rows(self, step):
+    def noting_rows(self, step, **best):
         seen[step] = rows_in(trainer.run_dir)
-        return write(self, step)
+        return write(self, step, **best)
 
     monkeypatch.setattr(Checkpointer, "write", noting_rows)
     assert trainer.train() is False
@@ -241,3 +242,88 @@ def test_a_row_whose_write_fails_is_not_written_again(trainer_for, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         trainer.train()
     assert calls == [5]
+
+
+# --- validation while training, and the best checkpoint ---------------------------------------
+
+
+def rows_of(run_dir) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").open())}
+
+
+def test_sigterm_during_validation_cuts_it_short_and_saves_at_its_step(trainer_for, caplog):
+    """A stop signal while the held-out data is scored: no more batches are scored, every rank
+    learns of it at once, and the run stops at that step as between steps (a checkpoint, one
+    line, exit 143); the figures cut short are neither logged nor a best checkpoint."""
+    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=10",
+                          "trainer.val_every=4", "trainer.log_every=100")  # fmt: skip
+    signals = trainer.preemption.signals = stopping.StopSignals()
+    held_out, scored = trainer.held_out, []
+
+    class SignalledDuring:
+        """The held-out batches; at step 8's validation, SIGTERM after its first batch."""
+
+        def __iter__(self):
+            for i, batch in enumerate(held_out):
+                if trainer.progress.step == 8 and i == 1:
+                    signal.raise_signal(signal.SIGTERM)
+                scored.append(trainer.progress.step)
+                yield batch
+
+    trainer.held_out = SignalledDuring()
+    with caplog.at_level(logging.INFO):
+        assert trainer.train() is True
+    assert len(held_out) > 3 and scored.count(4) == len(held_out) and scored.count(8) == 2
+    assert trainer.progress.step == 8 and signals.exit_code == 143
+    assert checkpoint_names(trainer.run_dir) == ["step_000000008.pt"]
+    assert "SIGTERM: stopped at step 8 with a checkpoint, its validation cut short" in caplog.text
+    rows = rows_of(trainer.run_dir)
+    assert rows[4]["val_loss"] > 0 and rows[8]["val_loss"] is None and rows[8]["loss"] > 0
+    best = torch.load(trainer.run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert (best["step"], best["val_loss"]) == (4, rows[4]["val_loss"])
+
+
+def scored_as(monkeypatch, losses: list[float], weights: dict[int, dict] | None = None) -> None:
+    """Each validation scores the next of `losses`; `weights` gets the model's, by step."""
+    queue = list(losses)
+
+    def score(model, *args, **kwargs):
+        if weights is not None:
+            weights[len(weights) + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+        return scoring.Score(loss=queue.pop(0), accuracy=0.5, predictions=10)
+
+    monkeypatch.setattr(scoring, "score", score)
+
+
+def test_the_best_checkpoint_survives_the_keep_policy_and_a_resume_goes_on_tracking_it(
+    trainer_for, monkeypatch
+):
+    every = ("trainer.val_every=2", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2")
+    weights: dict[int, dict] = {}
+    scored_as(monkeypatch, [3.0, 1.0, 2.0, 4.0, 5.0], weights)  # steps 2, 4, ... 10
+    trainer = trainer_for("trainer.max_steps=10", *every)
+    assert not trainer.train()
+    best_path = trainer.run_dir / "checkpoints" / "best.pt"
+    assert checkpoint_names(trainer.run_dir) == ["step_000000008.pt", "step_000000010.pt"]
+    best = torch.load(best_path, weights_only=True)
+    assert (best["step"], best["val_loss"]) == (4, 1.0)
+    assert all(torch.equal(best["model"][k], v) for k, v in weights[2].items())  # step 4's
+    assert not all(torch.equal(best["model"][k], v) for k, v in weights[5].items())
+    assert [rows_of(trainer.run_dir)[s]["val_loss"] for s in (2, 4, 6, 8, 10)] == [3, 1, 2, 4, 5]
+
+    scored_as(monkeypatch, [1.5])  # worse than best.pt's 1.0: kept
+    assert not trainer_for("trainer.max_steps=12", *every).train()
+    assert torch.load(best_path, weights_only=True)["step"] == 4
+    scored_as(monkeypatch, [0.5])  # better: replaced
+    assert not trainer_for("trainer.max_steps=14", *every).train()
+    assert torch.load(best_path, weights_only=True)["step"] == 14
+    assert checkpoint_names(trainer.run_dir) == ["step_000000012.pt", "step_000000014.pt"]
+
+
+def test_validation_is_off_at_val_every_0_and_keeps_no_best(trainer_for, monkeypatch):
+    scored_as(monkeypatch, [])  # any validation would fail: none is queued
+    trainer = trainer_for("trainer.max_steps=4", "trainer.val_every=0", "trainer.log_every=2",
+                          "trainer.checkpoint_every=2")  # fmt: skip
+    assert trainer.held_out is None and not trainer.train()
+    assert all(row["val_loss"] is None for row in rows_of(trainer.run_dir).values())
+    assert not (trainer.run_dir / "checkpoints" / "best.pt").exists()

@@ -7,7 +7,7 @@
 
 One torchrun launch over every local GPU (2 CPU processes without CUDA) times, pair after pair:
   - the template: trainer.Trainer, the loop that train runs, with the overrides given and
-    checkpoints off, timed by its own log windows (trainer.log_every steps, at most 50: what a
+    checkpoints and validation off, timed by its own log windows (trainer.log_every steps, at most 50: what a
     run logs, it pays for here too);
   - the reference: a minimal hand-written DDP loop with the same model, optimizer, autocast, DDP
     knobs and micro-batches, on fixed batches already on the device, timed over windows as long,
@@ -125,7 +125,7 @@ def template_ms(
     steps: int,
 ) -> float:
     """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
-    timed = replace(cfg.trainer, max_steps=warmup + steps, checkpoint_every=0)
+    timed = replace(cfg.trainer, max_steps=warmup + steps, checkpoint_every=0, val_every=0)
     # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import random
 import re
@@ -29,6 +30,7 @@ from .world import World
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.pt")
+BEST = "best.pt"  # trainer.keep_best's: not a step_ name, so no resume or keep policy touches it
 PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
 REQUIRED = {"step", "model", "optimizer", "data"}
 
@@ -165,6 +167,9 @@ def all_finite(module: torch.nn.Module) -> bool:
 
 class Checkpointer:
     """Owns the checkpoints of one run dir. The loop calls save() once per step; it decides.
+    With keep_best, save_best() after each validation keeps the checkpoint of the lowest
+    validation loss in best.pt, outside the newest-`keep` rotation; the bar to beat is best.pt's
+    own, so a resume goes on from it.
 
     `states` are the objects a checkpoint holds, by key (model, optimizer, scheduler, scaler,
     data position), each with state_dict() and load_state_dict(); each rank's RNG state and
@@ -177,6 +182,7 @@ class Checkpointer:
         *,
         every: int,
         keep: int,
+        keep_best: bool = False,
         world: World,
         group: dist.ProcessGroup | None,
         states: dict[str, Stateful],
@@ -190,6 +196,8 @@ class Checkpointer:
         self.readable: dict[tuple[str, int, int], bool] = {}  # (name, size, mtime) -> reads back
         self.warned: set[str] = set()
         self.newest: Path | None = None  # the newest checkpoint loaded or written
+        self.keep_best = keep_best
+        self.best_loss = math.inf  # best.pt's validation loss: the bar to beat
         if world.main:
             self.remove_partials()
 
@@ -211,12 +219,13 @@ class Checkpointer:
         """Rank 0 picks the newest checkpoint that reads back; every rank loads that one into
         the states, and its own RNG state when the world size is unchanged. Returns the
         checkpoint (None when there is none) for what the caller makes of the rest."""
-        choice: list[Any] = [None]
+        choice: list[Any] = [None, math.inf]
         if self.world.main:
             found = newest_readable(self.run_dir)
-            choice[0] = str(found[0]) if found else None
+            choice = [str(found[0]) if found else None, self.best_on_disk()]
         if self.world.size > 1:
             dist.broadcast_object_list(choice, src=0, group=self.group)
+        self.best_loss = choice[1]
         if choice[0] is None:
             return None
         self.newest = Path(choice[0])
@@ -236,6 +245,20 @@ class Checkpointer:
         self.watchdog.beat()  # loading a large checkpoint is no stalled collective
         return state
 
+    def best_on_disk(self) -> float:
+        """The validation loss of best.pt, the bar a resumed run must beat; inf when there is none
+        (or keep_best is off). One that does not read back is no good checkpoint: replaced by the
+        next validation, with a warning now."""
+        path = self.directory / BEST
+        if not (self.keep_best and path.exists()):
+            return math.inf
+        try:
+            return float(read(path, mmap=True)["val_loss"])
+        except Exception as err:
+            reason = " ".join(str(err).split())[:200]
+            log.warning("%s does not read back (%s); the next validation replaces it", path, reason)
+            return math.inf
+
     # --- saving ---------------------------------------------------------------------------
 
     def due(self, step: int, last_step: bool = False) -> bool:
@@ -248,19 +271,27 @@ class Checkpointer:
         if self.due(step, last_step) or (self.enabled and force):
             self.write(step)
 
-    def write(self, step: int) -> None:
+    def save_best(self, step: int, val_loss: float) -> None:
+        """After a validation (every rank, the same all-reduced loss): best.pt, if this one is
+        the lowest yet."""
+        if self.enabled and self.keep_best and val_loss < self.best_loss:
+            self.write(step, best=val_loss)
+            self.best_loss = val_loss
+
+    def write(self, step: int, best: float | None = None) -> None:
+        """The checkpoint of `step`; with `best` (its validation loss), best.pt instead."""
         model = self.states["model"]
         if not all_finite(model):  # identical on every rank under DDP: all stop together
             raise Diverged(step, "a weight")
         rng = self.gather_rng_states()
-        path = self.directory / f"step_{step:09d}.pt"
+        path = self.directory / (f"step_{step:09d}.pt" if best is None else BEST)
         # Disk I/O, not a stalled collective: the others wait for it on the CPU group (whose
         # timeout is dist.checkpoint_timeout_s), with no GPU collective pending meanwhile.
         with self.watchdog.paused():
             failure = None
             if self.world.main:
                 try:
-                    self.write_here(path, step, rng)
+                    self.write_here(path, step, rng, best)
                 except Exception as err:  # the others must hear of it, not of a broken barrier
                     failure = self.failure(path, err)
             if self.world.size > 1:  # rank 0 is done: how it went, in place of a barrier
@@ -270,11 +301,19 @@ class Checkpointer:
         if failure:
             raise CheckpointFailed(failure)
 
-    def write_here(self, path: Path, step: int, rng: list[dict[str, Any]]) -> None:
+    def write_here(
+        self, path: Path, step: int, rng: list[dict[str, Any]], best: float | None
+    ) -> None:
         state = {key: stateful.state_dict() for key, stateful in self.states.items()}
         state |= {"step": step, "rng": rng, "config": self.config}
         state["world_size"] = self.world.size
         self.directory.mkdir(parents=True, exist_ok=True)
+        if best is not None:
+            state["val_loss"] = best
+            write_atomically(state, path)
+            log.info("best checkpoint %s: step %d, val_loss %.4f", path.relative_to(self.run_dir),
+                     step, best)  # fmt: skip
+            return
         write_atomically(state, path)
         self.readable[self.identity(path)] = True
         self.newest = path

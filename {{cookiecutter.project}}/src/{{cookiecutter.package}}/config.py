@@ -242,6 +242,8 @@ class TrainerConfig:
     precision: Precision = MISSING
     checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    val_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     grad_accumulation: int = MISSING
     fused_optimizer: bool = MISSING
     compile: bool = MISSING
@@ -288,6 +290,12 @@ class TrainerConfig:
             "trainer.keep_checkpoints",
             self.keep_checkpoints,
             "must be at least 2",
+        )
+        require(
+            self.val_every >= 0,
+            "trainer.val_every",
+            self.val_every,
+            "must be 0 (no validation) or more",
         )
         require(
             self.grad_accumulation >= 1,

@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
-from . import checkpoint, process_group
+from . import checkpoint, process_group, scoring
 from .config import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
 from .config_error import ConfigError, require
 from .data import build_dataset
 from .exits import Exit
 from .model import build_model
-from .trainer import AUTOCAST
+from .trainer import autocast_for
 from .validate import from_saved
 from .world import World
 
@@ -206,32 +204,19 @@ def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: Wor
             raise ConfigError(
                 f"ckpt={path}: its weights do not fit its own config's model: {reason}"
             ) from None
-        model.eval()
-        shard = DistributedSampler(
-            data, num_replicas=world.size, rank=world.rank, shuffle=False, drop_last=True
+        result = scoring.score(
+            model,
+            scoring.held_out_batches(data, cfg.data, world),
+            device,
+            autocast_for(device, cfg.trainer.precision),
+            world,
         )
-        loader = DataLoader(data, sampler=BatchSampler(shard, cfg.data.batch_size, drop_last=False),
-                            batch_size=None, num_workers=cfg.data.num_workers)  # fmt: skip
-        dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
-        sums = torch.zeros(
-            3, device=device, dtype=torch.float64
-        )  # loss x predictions, correct, predictions
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            for inputs, labels in loader:
-                inputs, labels = inputs.to(device), labels.to(device)
-                logits = model(inputs).flatten(0, -2)
-                labels = labels.flatten()
-                sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-                sums[1] += (logits.argmax(dim=-1) == labels).sum()
-                sums[2] += labels.numel()
-        dist.all_reduce(sums)
-        loss_sum, correct, predictions = sums.tolist()
     return {
         "checkpoint": str(path),
         "step": state["step"],
-        "loss": loss_sum / predictions,
-        "accuracy": correct / predictions,
-        "held_out_predictions": int(predictions),
+        "loss": result.loss,
+        "accuracy": result.accuracy,
+        "held_out_predictions": result.predictions,
         "world_size": world.size,
         "overrides": overrides,
     }

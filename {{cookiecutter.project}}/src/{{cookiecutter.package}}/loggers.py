@@ -52,6 +52,9 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s",
     "mfu": "perf/mfu",
     "peak_memory_gib": "perf/peak_memory_gib",
+    "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",
+    "val_time_s": "perf/val_time_s",
 }
 PROBE_S = 5  # how long check waits for a tracking server to accept a connection
 

@@ -28,6 +28,9 @@ COLUMNS = [
     # tokens/s over all ranks; MFU (perf.py: empty on a CPU or a GPU not in its table); rank 0's
     # peak of allocated GPU memory over the window (empty on a CPU)
     "tokens_per_s", "mfu", "peak_memory_gib",
+    # on the held-out data, at the steps trainer.val_every names (empty at the others); how long
+    # scoring it took (left out of samples_per_s and step_time_ms)
+    "val_loss", "val_accuracy", "val_time_s",
 ]  # fmt: skip
 
 
@@ -96,6 +99,11 @@ class RunRecord:
             line += f"  MFU {100 * row['mfu']:.1f}%"
         if row["peak_memory_gib"] is not None:
             line += f"  peak mem {row['peak_memory_gib']:.1f} GiB"
+        if row["val_loss"] is not None:
+            line += (
+                f"  val loss {row['val_loss']:.4f}  val acc {row['val_accuracy']:.3f} "
+                f"({row['val_time_s']:.2f} s)"
+            )
         log.info(line)
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")
@@ -280,9 +288,14 @@ def plot_metrics(run_dir: Path) -> Path | None:
 
     steps, losses = [row["step"] for row in rows], [row["loss"] for row in rows]
     figure, (loss, speed) = plt.subplots(2, 1, sharex=True, figsize=(7, 6), layout="constrained")
-    loss.plot(steps, losses, marker=".")
+    loss.plot(steps, losses, marker=".", label="train")
+    validated = [(row["step"], row["val_loss"]) for row in rows if row.get("val_loss") is not None]
+    if validated:
+        loss.plot(*zip(*validated, strict=True), marker="o", color="tab:orange", label="held out")
+        loss.legend()
     # A log scale where the loss falls by more than 10x; ticks as plain numbers (2.05, not 2.05 x 10^0).
-    spread = max(losses) / min(losses) if min(losses) > 0 else 1
+    shown = losses + [value for _, value in validated]
+    spread = max(shown) / min(shown) if min(shown) > 0 else 1
     loss.set(
         ylabel="loss",
         yscale="log" if spread > 10 else "linear",

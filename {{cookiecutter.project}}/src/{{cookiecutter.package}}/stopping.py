@@ -256,6 +256,17 @@ class Preemption:
         self.next_exchange = step + interval
         return False
 
+    def agreed_now(self) -> bool:
+        """Like agreed(), but every rank learns of a stop signal at once, in one blocking
+        exchange: after work long enough to wait for all ranks anyway (a validation), so that a
+        signal during it stops the run there rather than after more steps."""
+        self.signals.stepped = True
+        if self.world.size == 1:
+            return self.signals.requested
+        flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return self.signals.adopt(int(flag.item()))
+
     def close(self, wait: bool = True) -> None:
         """Finish the exchange in flight before the group is used for anything else (unless
         the run failed: a peer may never answer it); from here on a signal ends the process at

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import compilation, ddp, metrics, perf, schedule
+from . import compilation, ddp, metrics, perf, schedule, scoring
 from .checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -39,6 +39,13 @@ from .world import World
 log = logging.getLogger(__name__)
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
+UNVALIDATED = {"val_loss": None, "val_accuracy": None, "val_time_s": None}  # a row's, without
+
+
+def autocast_for(device: torch.device, precision: Precision) -> partial[torch.autocast]:
+    """trainer.precision's autocast, on a GPU only; training and scoring both run under it."""
+    dtype = AUTOCAST.get(precision) if device.type == "cuda" else None
+    return partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
 
 
 class Window:
@@ -130,14 +137,21 @@ class Trainer:
             weight_decay=cfg.trainer.weight_decay,
             fused=(cfg.trainer.fused_optimizer and device.type == "cuda") or None,  # one kernel
         )
-        dtype = AUTOCAST.get(cfg.trainer.precision) if device.type == "cuda" else None
-        self.autocast = partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+        self.autocast = autocast_for(device, cfg.trainer.precision)
+        self.scaler = torch.amp.GradScaler(
+            device.type, enabled=self.autocast.keywords["dtype"] is torch.float16
+        )
+        self.held_out = (
+            scoring.held_out_batches(build_dataset(cfg.data, seed, held_out=True), cfg.data, world)
+            if cfg.trainer.val_every
+            else None
+        )
         self.progress = Progress()
         self.checkpointer = Checkpointer(
             run_dir,
             every=cfg.trainer.checkpoint_every,
             keep=cfg.trainer.keep_checkpoints,
+            keep_best=cfg.trainer.keep_best,
             world=world,
             group=control,
             states={
@@ -152,6 +166,7 @@ class Trainer:
         self.preemption = Preemption(control, world)  # the step a stop signal ends the run at
         self.window = Window(device, step=0)
         self.resumed = False
+        self.cut_short: int | None = None  # the step whose validation a stop signal cut short
         # MFU's terms, fixed for the run: a model of your own without flops_per_token() logs none.
         self.tokens_per_sample = getattr(self.module, "tokens_per_sample", 1)
         flops = getattr(self.module, "flops_per_token", None)
@@ -217,12 +232,19 @@ class Trainer:
                     self.progress.step = step
                     self.watchdog.beat()
                     record.step(step)
+                    stop = False
                     if log_now:
                         row = self.log_row(step)
+                        if self.validates(step):
+                            score = self.validate(step, row)
+                            stop = score is None  # a stop signal cut it short
+                            write_row()  # every rank waited for the scores: nothing to overlap
+                            if score:
+                                self.checkpointer.save_best(step, score.loss)
                         # A resume keeps the rows up to its checkpoint: this one goes first.
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
-                    stop = preemption.agreed(step)  # every rank: the same step, or none
+                    stop = stop or preemption.agreed(step)  # every rank: the same step, or none
                     self.checkpointer.save(step, last_step=step == max_steps, force=stop)
                     if stop:
                         write_row()
@@ -344,7 +366,32 @@ class Trainer:
         return not bool(torch.isfinite(grad_norm))
 
     def ends_window(self, step: int) -> bool:
-        return step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.max_steps
+        """A validation ends the window too: its figures go in that window's row."""
+        return (
+            step % self.cfg.trainer.log_every == 0
+            or step == self.cfg.trainer.max_steps
+            or self.validates(step)
+        )
+
+    def validates(self, step: int) -> bool:
+        every = self.cfg.trainer.val_every
+        return every > 0 and (step % every == 0 or step == self.cfg.trainer.max_steps)
+
+    def validate(self, step: int, row: dict[str, Any]) -> scoring.Score | None:
+        """Score the held-out data into `row` (every rank's shard, all-reduced). None when a stop
+        signal cut the scoring short: every rank learns of it here, to stop at this step (a long
+        validation is not waited out)."""
+        started = time.perf_counter()
+        signals = self.preemption.signals
+        result = scoring.score(self.module, self.held_out, self.device, self.autocast, self.world,
+                               stop=lambda: signals.requested)  # fmt: skip
+        if self.preemption.agreed_now():
+            self.cut_short = step
+            return None
+        seconds = time.perf_counter() - started
+        self.window.started += seconds  # the next window's figures are the steps'
+        row |= {"val_loss": result.loss, "val_accuracy": result.accuracy, "val_time_s": seconds}
+        return result
 
     def log_row(self, step: int) -> dict[str, Any]:
         """Close the log window: one row of metrics.csv."""
@@ -370,11 +417,14 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": perf.mfu(tokens_per_s, self.flops_per_token, self.world.size, self.peak_flops),
             "peak_memory_gib": peak_memory,
+            **UNVALIDATED,
         }
 
     def report_stop(self, step: int) -> None:
         signals = self.preemption.signals
         saved = " with a checkpoint" if self.checkpointer.enabled else " (checkpoints are off)"
+        if self.cut_short == step:
+            saved += ", its validation cut short"
         signals.say(
             f"{signals.name}: stopped at step {step}{saved}; to resume, relaunch with "
             f"hydra.run.dir={self.run_dir}"

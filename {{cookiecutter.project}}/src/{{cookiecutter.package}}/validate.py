@@ -36,16 +36,22 @@ def check_devices(config: TrainConfig, world: World) -> None:
 
 def check_data(config: TrainConfig, world: World, held_out: bool = False) -> None:
     """Training: every process needs at least one full batch of its shard, or it never takes a
-    step. Evaluation (held_out): every process needs a held-out sample; its last batch may be
-    short, so any batch size does."""
-    if held_out:
+    step. Evaluation (held_out), and training that validates: every process needs a held-out
+    sample; its last batch may be short, so any batch size does."""
+    if held_out or config.trainer.val_every:
         samples, source = config.data.held_out_samples()
         if samples < world.size:
             fewer = f"on at most {samples} process(es), or " if samples else ""
+            todo = (
+                f"evaluate {fewer}with more data"
+                if held_out
+                else f"train {fewer}with more data, or with trainer.val_every=0 (no validation)"
+            )
             raise ConfigError(
                 f"{source}: {samples} held-out sample(s) (one in {HELD_OUT}) for {world.size} "
-                f"process(es), which need one each; evaluate {fewer}with more data"
+                f"process(es), which need one each; {todo}"
             )
+    if held_out:
         return
     samples, source = config.data.training_samples()
     per_process = samples // world.size
