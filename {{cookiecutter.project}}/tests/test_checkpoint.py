@@ -17,12 +17,11 @@ from ddp_project.world import World
 ONE = World()
 
 
-def checkpointer(run_dir, model, keep=2, every=10) -> Checkpointer:
+def checkpointer(run_dir, model, keep=2, every=10, keep_best=False) -> Checkpointer:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     states = {"model": model, "optimizer": optimizer, "data": Progress()}
-    return Checkpointer(
-        run_dir, every=every, keep=keep, world=ONE, group=None, states=states, config={}
-    )
+    return Checkpointer(run_dir, every=every, keep=keep, keep_best=keep_best, world=ONE,
+                        group=None, states=states, config={})  # fmt: skip
 
 
 def names(run_dir) -> list[str]:
@@ -175,3 +174,29 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
     assert all(torch.equal(before[key], after[key]) for key in ("exp_avg", "exp_avg_sq", "step"))
     assert torch.equal(torch.rand(3), expected_rng[0]) and random.random() == expected_rng[1]
+
+
+def test_best_pt_is_replaced_whole_or_not_at_all_and_one_that_does_not_read_back_is_replaced(
+    tmp_path, monkeypatch, caplog
+):
+    model = torch.nn.Linear(4, 2)
+    saver = checkpointer(tmp_path, model, keep_best=True)
+    saver.save_best(10, 2.0)
+    best = tmp_path / "checkpoints" / checkpoint.BEST
+    good = best.read_bytes()
+    fdopen = os.fdopen
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda *a: FullDisk(fdopen(*a), room=600))
+    with pytest.raises(
+        checkpoint.CheckpointFailed, match=r"could not write .*best\.pt: \[Errno 28\]"
+    ):
+        saver.save_best(20, 1.0)
+    monkeypatch.undo()
+    assert names(tmp_path) == [checkpoint.BEST] and best.read_bytes() == good  # no partial left
+    assert saver.best_loss == 2.0  # the bar is what best.pt holds
+    best.write_bytes(b"not a checkpoint")
+    resumed = checkpointer(tmp_path, model, keep_best=True)
+    with caplog.at_level(logging.WARNING):
+        assert resumed.load() is None  # no step checkpoint to resume from
+    assert f"{best} does not read back" in caplog.text and resumed.best_loss == float("inf")
+    resumed.save_best(30, 5.0)
+    assert torch.load(best, weights_only=True)["step"] == 30

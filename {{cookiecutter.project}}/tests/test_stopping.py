@@ -102,3 +102,19 @@ def test_the_line_of_a_stop_with_nothing_to_save_says_whether_a_step_ran(tmp_pat
     )
     stopping.Preemption(None, ONE, signals).agreed(1)  # a step ran
     assert signals.stopped_line().startswith("SIGINT: stopped after the last step")
+
+
+def test_agreed_now_tells_every_rank_of_a_peers_signal_at_once(monkeypatch):
+    """After a validation: one blocking exchange, so that a signal any rank got during it stops
+    every rank at that step (agreed() might wait for steps more)."""
+    signals = stopping.StopSignals()
+    preemption = stopping.Preemption(None, World(rank=0, size=2), signals)
+    peers = [0, signal.SIGTERM]  # what the other rank holds at each exchange
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        tensor.fill_(peers.pop(0))  # the MAX of this rank's 0 and the peer's flag
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    assert preemption.agreed_now() is False and not signals.requested
+    assert preemption.agreed_now() is True and signals.exit_code == 143  # the peer's SIGTERM
+    assert signals.stepped  # a stop now comes after a step: it saves
