@@ -186,7 +186,8 @@ class Recorder:
 
 ROW = {"step": 20, "max_steps": 60, "epoch": 0, "loss": 2.5, "accuracy": 0.25, "grad_norm": None,
        "lr": 0.001, "samples_per_s": 900.0, "step_time_ms": 3.5, "comm_share": None, "world_size": 2,
-       "tokens_per_s": 900.0, "mfu": None, "peak_memory_gib": None}  # fmt: skip
+       "tokens_per_s": 900.0, "mfu": None, "peak_memory_gib": None, "val_loss": None,
+       "val_accuracy": None, "val_time_s": None}  # fmt: skip
 
 
 def test_each_row_goes_to_every_logger_with_its_tags():
