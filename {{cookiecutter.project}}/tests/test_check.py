@@ -41,10 +41,13 @@ BAD = [
         "trainer.min_lr=nan",
         "trainer.min_lr=nan: must be a finite number from 0 to trainer.lr=0.003",
     ),
-    # the default min_lr (0.0003) above a lowered lr: the check names min_lr, the key to lower too
     (
-        "trainer.lr=0.0001",
+        "trainer.lr=0.0001 trainer.min_lr=0.0003",
         "trainer.min_lr=0.0003: must be a finite number from 0 to trainer.lr=0.0001",
+    ),
+    (
+        "trainer.val_batches=0",
+        "trainer.val_batches=0: must be null (every held-out batch) or at least 1",
     ),
     (
         "trainer.schedule=step",

@@ -67,3 +67,12 @@ def test_a_warm_up_as_long_as_the_run_never_decays(rates):
     """warmup_steps >= max_steps is allowed: the run ends in its warm-up (at lr if equal)."""
     assert rates("cosine", 20, 10, [1, 10]) == pytest.approx([LR / 20, LR / 2], rel=1e-12)
     assert rates("linear", 20, 20, [20]) == [LR]
+
+
+def test_min_lr_follows_an_lr_given_alone_and_a_number_given_stands(compose_train):
+    """Its default is lr/10 (an interpolation in configs/trainer/default.yaml): lowering lr alone
+    lowers the floor with it, rather than leaving a floor above the rate."""
+    trainer = OmegaConf.to_object(compose_train("trainer.lr=0.0001")).trainer
+    assert trainer.min_lr == pytest.approx(0.00001)
+    trainer = OmegaConf.to_object(compose_train("trainer.lr=0.0001", "trainer.min_lr=0")).trainer
+    assert trainer.min_lr == 0

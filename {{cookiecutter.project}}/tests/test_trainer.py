@@ -328,3 +328,47 @@ def test_validation_is_off_at_val_every_0_and_keeps_no_best(trainer_for, monkeyp
     assert trainer.held_out is None and not trainer.train()
     assert all(row["val_loss"] is None for row in rows_of(trainer.run_dir).values())
     assert not (trainer.run_dir / "checkpoints" / "best.pt").exists()
+
+
+def test_a_resume_that_moves_max_steps_says_so_even_during_the_warm_up(trainer_for, caplog):
+    """The rate of the next step is the same there, but where the decay ends has moved."""
+    trainer = trainer_for("trainer.max_steps=80", "trainer.warmup_steps=20")
+    trainer.progress.step = 10
+    with caplog.at_level(logging.WARNING):
+        trainer.report_stretched_decay(old_max_steps=60)
+    assert "trainer.max_steps changed from 60 to 80:" in caplog.text
+    assert "the decay now ends at step 80" in caplog.text
+
+
+def test_a_signal_after_the_last_held_out_batch_keeps_the_scores_then_stops(trainer_for, caplog):
+    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=10",
+                          "trainer.val_every=4", "trainer.log_every=100")  # fmt: skip
+    trainer.preemption.signals = stopping.StopSignals()
+    held_out = trainer.held_out
+
+    class SignalledAfter:
+        def __iter__(self):
+            yield from held_out
+            if trainer.progress.step == 8:
+                signal.raise_signal(signal.SIGTERM)
+
+    trainer.held_out = SignalledAfter()
+    with caplog.at_level(logging.INFO):
+        assert trainer.train() is True
+    assert trainer.progress.step == 8 and checkpoint_names(trainer.run_dir) == ["step_000000008.pt"]
+    assert "SIGTERM: stopped at step 8 with a checkpoint;" in caplog.text  # nothing was cut short
+    rows = rows_of(trainer.run_dir)
+    best = torch.load(trainer.run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert rows[8]["val_loss"] < rows[4]["val_loss"] and best["step"] == 8
+
+
+def test_val_batches_caps_each_validation_and_each_batch_tells_the_watchdog(trainer_for):
+    """A large held-out set: the first val_batches batches of each shard, and a heartbeat per
+    batch, so that a long validation is never taken for a stalled collective."""
+    trainer = trainer_for("trainer.max_steps=4", "trainer.val_every=2", "trainer.val_batches=3")
+    beats = []
+    trainer.watchdog = type("Heartbeat", (), {"beat": lambda self: beats.append(1)})()
+    assert not trainer.train()
+    rows = rows_of(trainer.run_dir)
+    assert len(trainer.held_out) > 3 and [rows[s]["val_loss"] > 0 for s in (2, 4)] == [True, True]
+    assert len(beats) == 4 + 2 * 3  # a beat per step, and one per scored batch

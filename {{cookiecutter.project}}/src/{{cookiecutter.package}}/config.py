@@ -243,6 +243,7 @@ class TrainerConfig:
     checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     val_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    val_batches: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     grad_accumulation: int = MISSING
     fused_optimizer: bool = MISSING
@@ -296,6 +297,12 @@ class TrainerConfig:
             "trainer.val_every",
             self.val_every,
             "must be 0 (no validation) or more",
+        )
+        require(
+            self.val_batches is None or self.val_batches >= 1,
+            "trainer.val_batches",
+            self.val_batches,
+            "must be null (every held-out batch) or at least 1",
         )
         require(
             self.grad_accumulation >= 1,
@@ -426,3 +433,5 @@ def register_configs() -> None:
         store.store(group=stored.group, name=stored.stored_as, node=stored.schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+    # trainer.min_lr's default, lr/10: it follows an lr given on the command line
+    OmegaConf.register_new_resolver("div", lambda value, by: value / by, replace=True)

@@ -1,13 +1,14 @@
 """A model scored on the held-out data: the one code path behind `evaluate` (a checkpoint, on one
 or more processes) and the Trainer's validation (every trainer.val_every steps).
 
-Each process scores its shard of the held-out set (in order, no sample on two ranks); the sums of
-the loss, the correct predictions and the predictions are all-reduced, so every rank holds the
-figures over the whole set.
+Each process scores its shard of the held-out set (in order, no sample on two ranks), or its
+shard's first trainer.val_batches batches when validating; the sums of the loss, the correct
+predictions and the predictions are all-reduced, so every rank holds the same figures.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class Score:
     loss: float  # mean cross-entropy per prediction
     accuracy: float
     predictions: int  # over every rank
-    complete: bool = True  # False: this rank was asked to stop part-way (stop())
+    complete: bool = True  # False: a rank was asked to stop part-way (stop()): partial figures
 
 
 def held_out_batches(data: Dataset, cfg: DataConfig, world: World) -> DataLoader:
@@ -53,21 +54,23 @@ def score(
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
     world: World,
+    limit: int | None = None,
     stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[], None] = lambda: None,
 ) -> Score:
-    """The model's loss and accuracy over every rank's batches, in eval mode (its mode is put
-    back). stop() is asked before each batch: a rank told to stop scores no more, and the
-    figures are incomplete (every rank still joins the one all-reduce)."""
-    sums = torch.zeros(
-        3, device=device, dtype=torch.float64
-    )  # loss x predictions, correct, predictions
-    complete, training = True, model.training
+    """The model's loss and accuracy over every rank's batches (the first `limit` of them), in
+    eval mode (its mode is put back). stop() is asked before each batch: a rank told to stop
+    scores no more, and every rank's figures say they are incomplete (the one all-reduce carries
+    it). progress() is called after each batch: scoring a large set is no stalled step."""
+    # loss x predictions, correct, predictions, ranks stopped part-way: one all-reduce
+    sums = torch.zeros(4, device=device, dtype=torch.float64)
+    training = model.training
     model.eval()
     try:
         with torch.no_grad(), autocast():
-            for inputs, labels in epoch_batches(batches):
+            for inputs, labels in itertools.islice(epoch_batches(batches), limit):
                 if stop():
-                    complete = False
+                    sums[3] = 1
                     break
                 inputs, labels = inputs.to(device), labels.to(device)
                 logits = model(inputs).flatten(0, -2)
@@ -75,14 +78,15 @@ def score(
                 sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
                 sums[1] += (logits.argmax(dim=-1) == labels).sum()
                 sums[2] += labels.numel()
+                progress()
     finally:
         model.train(training)
     if world.size > 1:
         dist.all_reduce(sums)
-    loss_sum, correct, predictions = sums.tolist()
+    loss_sum, correct, predictions, stopped = sums.tolist()
     return Score(
         loss=loss_sum / max(1, predictions),
         accuracy=correct / max(1, predictions),
         predictions=int(predictions),
-        complete=complete,
+        complete=not stopped,
     )

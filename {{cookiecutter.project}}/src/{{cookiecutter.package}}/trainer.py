@@ -29,7 +29,7 @@ from .checkpoint import (
     Diverged,
     Progress,
 )
-from .config import OnNonFinite, Precision, TrainConfig
+from .config import OnNonFinite, Precision, Schedule, TrainConfig
 from .data import build_dataset, build_loader, epoch_batches
 from .failfast import NO_WATCHDOG, Heartbeat
 from .model import build_model
@@ -236,11 +236,12 @@ class Trainer:
                     if log_now:
                         row = self.log_row(step)
                         if self.validates(step):
-                            score = self.validate(step, row)
-                            stop = score is None  # a stop signal cut it short
+                            score = self.validate(step, row)  # None: a stop signal cut it short
                             write_row()  # every rank waited for the scores: nothing to overlap
                             if score:
                                 self.checkpointer.save_best(step, score.loss)
+                            # A signal during it stops every rank here, not steps later.
+                            stop = preemption.agreed_now()
                         # A resume keeps the rows up to its checkpoint: this one goes first.
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
@@ -293,7 +294,8 @@ class Trainer:
         trainer, step = self.cfg.trainer, self.progress.step + 1
         was = schedule.learning_rate(replace(trainer, max_steps=old_max_steps), step)
         now = schedule.learning_rate(trainer, step)
-        if now != was:
+        # Compared as settings: during the warm-up the rate is the same, the decay still moves.
+        if old_max_steps != trainer.max_steps and trainer.schedule is not Schedule.constant:
             log.warning(
                 "trainer.max_steps changed from %d to %d: the learning rate at step %d is %.3g, "
                 "was %.3g: the decay now ends at step %d",
@@ -379,13 +381,16 @@ class Trainer:
 
     def validate(self, step: int, row: dict[str, Any]) -> scoring.Score | None:
         """Score the held-out data into `row` (every rank's shard, all-reduced). None when a stop
-        signal cut the scoring short: every rank learns of it here, to stop at this step (a long
-        validation is not waited out)."""
+        signal cut the scoring short on some rank (a long validation is not waited out): the
+        partial figures are dropped on every rank."""
         started = time.perf_counter()
         signals = self.preemption.signals
-        result = scoring.score(self.module, self.held_out, self.device, self.autocast, self.world,
-                               stop=lambda: signals.requested)  # fmt: skip
-        if self.preemption.agreed_now():
+        result = scoring.score(
+            self.module, self.held_out, self.device, self.autocast, self.world,
+            limit=self.cfg.trainer.val_batches, stop=lambda: signals.requested,
+            progress=self.watchdog.beat,  # scoring a large set is no stalled collective
+        )  # fmt: skip
+        if not result.complete:
             self.cut_short = step
             return None
         seconds = time.perf_counter() - started
