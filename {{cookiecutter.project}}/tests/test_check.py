@@ -35,15 +35,15 @@ BAD = [
     ),
     (
         "trainer.min_lr=-0.001",
-        "trainer.min_lr=-0.001: must be a finite number from 0 to trainer.lr=0.003",
+        "trainer.min_lr=-0.001: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.003",
     ),
     (
         "trainer.min_lr=nan",
-        "trainer.min_lr=nan: must be a finite number from 0 to trainer.lr=0.003",
+        "trainer.min_lr=nan: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.003",
     ),
     (
         "trainer.lr=0.0001 trainer.min_lr=0.0003",
-        "trainer.min_lr=0.0003: must be a finite number from 0 to trainer.lr=0.0001",
+        "trainer.min_lr=0.0003: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.0001",
     ),
     (
         "trainer.val_batches=0",

@@ -463,7 +463,7 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
         "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "dist.timeout_s", "logger.",
         "nccl.", "trainer.accept_changes", "trainer.checkpoint_every", "trainer.keep_best",
         "trainer.keep_checkpoints", "trainer.log_every", "trainer.max_steps", "trainer.on_nonfinite",
-        "trainer.val_every",
+        "trainer.val_batches", "trainer.val_every",
     ]  # fmt: skip
     adjustable = evaluate.ADJUSTABLE
     assert adjustable == ("data.batch_size", "data.num_workers", "data.pin_memory", "dist.backend")

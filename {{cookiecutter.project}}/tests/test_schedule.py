@@ -69,10 +69,12 @@ def test_a_warm_up_as_long_as_the_run_never_decays(rates):
     assert rates("linear", 20, 20, [20]) == [LR]
 
 
-def test_min_lr_follows_an_lr_given_alone_and_a_number_given_stands(compose_train):
-    """Its default is lr/10 (an interpolation in configs/trainer/default.yaml): lowering lr alone
-    lowers the floor with it, rather than leaving a floor above the rate."""
-    trainer = OmegaConf.to_object(compose_train("trainer.lr=0.0001")).trainer
-    assert trainer.min_lr == pytest.approx(0.00001)
-    trainer = OmegaConf.to_object(compose_train("trainer.lr=0.0001", "trainer.min_lr=0")).trainer
-    assert trainer.min_lr == 0
+def test_min_lr_null_is_a_tenth_of_lr_so_an_lr_given_alone_brings_its_floor(compose_train):
+    """The default: lowering trainer.lr alone lowers the floor with it (a number would stand
+    above it and be refused)."""
+    last = {}
+    for lr in (0.003, 0.0001):
+        cfg = OmegaConf.to_object(compose_train(f"trainer.lr={lr}", "trainer.max_steps=50"))
+        assert cfg.trainer.min_lr is None
+        last[lr] = learning_rate(cfg.trainer, 50)
+    assert last == {0.003: pytest.approx(0.0003), 0.0001: pytest.approx(0.00001)}

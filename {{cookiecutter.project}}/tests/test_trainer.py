@@ -152,7 +152,7 @@ def test_a_run_stopped_mid_decay_resumes_to_the_weights_of_one_never_stopped(tra
     assert all(torch.equal(weights[k], v) for k, v in whole.module.state_dict().items())
     logged = [[(row["step"], row["lr"]) for row in metrics.read_rows(trainer.run_dir)]
               for trainer in (whole, resumed)]  # fmt: skip
-    assert logged[0] == logged[1] and logged[0][-1] == (12, 0.0003)
+    assert logged[0] == logged[1] and logged[0][-1] == (12, pytest.approx(0.0003))
     assert len({lr for _, lr in logged[0]}) == 4  # a rate of its own at every logged step
 
 

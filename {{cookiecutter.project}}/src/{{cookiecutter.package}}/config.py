@@ -233,7 +233,7 @@ class TrainerConfig:
     lr: float = MISSING
     warmup_steps: int = MISSING
     schedule: Schedule = MISSING
-    min_lr: float = MISSING
+    min_lr: Optional[float] = MISSING  # None: lr / 10 (schedule.floor)
     weight_decay: float = MISSING
     max_grad_norm: Optional[float] = MISSING
     on_nonfinite: OnNonFinite = field(default=MISSING, metadata=FREE_ON_RESUME)
@@ -259,8 +259,9 @@ class TrainerConfig:
             "must be a finite number above 0",
         )
         require(
-            finite(self.min_lr) and 0 <= self.min_lr <= self.lr,
-            "trainer.min_lr", self.min_lr, f"must be a finite number from 0 to trainer.lr={self.lr}",
+            self.min_lr is None or (finite(self.min_lr) and 0 <= self.min_lr <= self.lr),
+            "trainer.min_lr", self.min_lr,
+            f"must be null (trainer.lr/10) or a finite number from 0 to trainer.lr={self.lr}",
         )  # fmt: skip
         require(
             finite(self.weight_decay) and self.weight_decay >= 0,
@@ -433,5 +434,3 @@ def register_configs() -> None:
         store.store(group=stored.group, name=stored.stored_as, node=stored.schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
-    # trainer.min_lr's default, lr/10: it follows an lr given on the command line
-    OmegaConf.register_new_resolver("div", lambda value, by: value / by, replace=True)
