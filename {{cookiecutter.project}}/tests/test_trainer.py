@@ -272,9 +272,12 @@ def test_sigterm_during_validation_cuts_it_short_and_saves_at_its_step(trainer_f
                 yield batch
 
     trainer.held_out = SignalledDuring()
+    agreed_now, asked = trainer.preemption.agreed_now, []  # the blocking exchange, after each
+    trainer.preemption.agreed_now = lambda: asked.append(trainer.progress.step) or agreed_now()
     with caplog.at_level(logging.INFO):
         assert trainer.train() is True
     assert len(held_out) > 3 and scored.count(4) == len(held_out) and scored.count(8) == 2
+    assert asked == [4, 8]  # on several ranks the others learn of it there, not steps later
     assert trainer.progress.step == 8 and signals.exit_code == 143
     assert checkpoint_names(trainer.run_dir) == ["step_000000008.pt"]
     assert "SIGTERM: stopped at step 8 with a checkpoint, its validation cut short" in caplog.text
