@@ -181,7 +181,7 @@ def test_best_pt_is_replaced_whole_or_not_at_all_and_one_that_does_not_read_back
 ):
     model = torch.nn.Linear(4, 2)
     saver = checkpointer(tmp_path, model, keep_best=True)
-    saver.save_best(10, 2.0)
+    saver.save_best(10, 2.0, written=False)
     best = tmp_path / "checkpoints" / checkpoint.BEST
     good = best.read_bytes()
     fdopen = os.fdopen
@@ -189,7 +189,7 @@ def test_best_pt_is_replaced_whole_or_not_at_all_and_one_that_does_not_read_back
     with pytest.raises(
         checkpoint.CheckpointFailed, match=r"could not write .*best\.pt: \[Errno 28\]"
     ):
-        saver.save_best(20, 1.0)
+        saver.save_best(20, 1.0, written=False)
     monkeypatch.undo()
     assert names(tmp_path) == [checkpoint.BEST] and best.read_bytes() == good  # no partial left
     assert saver.best_loss == 2.0  # the bar is what best.pt holds
@@ -198,5 +198,32 @@ def test_best_pt_is_replaced_whole_or_not_at_all_and_one_that_does_not_read_back
     with caplog.at_level(logging.WARNING):
         assert resumed.load() is None  # no step checkpoint to resume from
     assert f"{best} does not read back" in caplog.text and resumed.best_loss == float("inf")
-    resumed.save_best(30, 5.0)
+    resumed.save_best(30, 5.0, written=False)
     assert torch.load(best, weights_only=True)["step"] == 30
+
+
+def test_best_pt_is_a_second_name_of_the_checkpoint_of_its_step_or_a_copy_without_hard_links(
+    tmp_path, monkeypatch
+):
+    """A validation at a checkpoint's step (the default: both every 100 steps) costs no second
+    write of the same state; elsewhere, or where the file system has no hard links, a write."""
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2), every=10, keep_best=True)
+    best = tmp_path / "checkpoints" / checkpoint.BEST
+    assert saver.save(10, val_loss=1.0) is True
+    saver.save_best(10, 1.0, written=True)
+    assert best.stat().st_ino == (tmp_path / "checkpoints" / "step_000000010.pt").stat().st_ino
+    assert torch.load(best, weights_only=True)["val_loss"] == 1.0  # the bar a resume reads
+    assert saver.save(15, val_loss=0.5) is False
+    saver.save_best(15, 0.5, written=False)
+    assert torch.load(best, weights_only=True)["step"] == 15 and best.stat().st_nlink == 1
+    monkeypatch.setattr(
+        checkpoint.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no"))
+    )
+    assert saver.save(20, val_loss=0.25) is True
+    saver.save_best(20, 0.25, written=True)
+    assert torch.load(best, weights_only=True)["step"] == 20 and best.stat().st_nlink == 1
+    assert names(tmp_path) == [
+        checkpoint.BEST,
+        "step_000000010.pt",
+        "step_000000020.pt",
+    ]  # no partial

@@ -203,9 +203,9 @@ def test_a_windows_row_is_on_disk_before_the_checkpoint_of_its_step(trainer_for,
     )
     seen, write = {}, Checkpointer.write
 
-    def noting_rows(self, step, **best):
+    def noting_rows(self, step, *args, **kwargs):
         seen[step] = rows_in(trainer.run_dir)
-        return write(self, step, **best)
+        return write(self, step, *args, **kwargs)
 
     monkeypatch.setattr(Checkpointer, "write", noting_rows)
     assert trainer.train() is False

@@ -117,9 +117,14 @@ def write_atomically(state: dict[str, Any], path: Path) -> None:
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    sync_directory(path.parent)
+
+
+def sync_directory(path: Path) -> None:
+    """Make a rename in it durable."""
+    directory = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
+        os.fsync(directory)
     finally:
         os.close(directory)
 
@@ -265,33 +270,64 @@ class Checkpointer:
         """Whether save() writes at this step by the schedule, unless it is forced."""
         return self.enabled and (last_step or step % self.every == 0)
 
-    def save(self, step: int, last_step: bool = False, force: bool = False) -> None:
-        """Call once per step, after it. Saves every `every` steps, at the last step, and when
-        forced (the step the ranks agreed to stop at); never while checkpoints are off."""
-        if self.due(step, last_step) or (self.enabled and force):
-            self.write(step)
+    def save(
+        self, step: int, last_step: bool = False, force: bool = False, val_loss: float | None = None
+    ) -> bool:
+        """Call once per step, after it, with the step's validation loss if it has one. Saves
+        every `every` steps, at the last step, and when forced (the step the ranks agreed to stop
+        at); never while checkpoints are off. Whether it wrote."""
+        written = self.due(step, last_step) or (self.enabled and force)
+        if written:
+            self.write(step, val_loss)
+        return written
 
-    def save_best(self, step: int, val_loss: float) -> None:
-        """After a validation (every rank, the same all-reduced loss): best.pt, if this one is
-        the lowest yet."""
-        if self.enabled and self.keep_best and val_loss < self.best_loss:
-            self.write(step, best=val_loss)
-            self.best_loss = val_loss
+    def save_best(self, step: int, val_loss: float, written: bool) -> None:
+        """After save() at a validated step (every rank, the same all-reduced loss): best.pt, if
+        this loss is the lowest yet. A second name of the step's checkpoint if save() `written`
+        it (no second write of the same state), else a write of its own."""
+        if not (self.enabled and self.keep_best and val_loss < self.best_loss):
+            return
+        if not (written and self.link_best(step)):
+            self.write(step, val_loss, best=True)
+        self.best_loss = val_loss
+        if self.world.main:
+            log.info("best checkpoint %s: step %d, val_loss %.4f",
+                     (self.directory / BEST).relative_to(self.run_dir), step, val_loss)  # fmt: skip
 
-    def write(self, step: int, best: float | None = None) -> None:
-        """The checkpoint of `step`; with `best` (its validation loss), best.pt instead."""
+    def link_best(self, step: int) -> bool:
+        """best.pt as a hard link to the checkpoint of `step`, renamed into place; False (on
+        every rank) where the file system has no hard links."""
+        linked = False
+        if self.world.main:
+            partial = self.directory / f"{PARTIAL}best-{os.getpid()}.pt"
+            try:
+                os.link(self.directory / f"step_{step:09d}.pt", partial)
+                os.replace(partial, self.directory / BEST)
+                sync_directory(self.directory)
+                linked = True
+            except OSError as err:
+                partial.unlink(missing_ok=True)
+                log.info("best.pt: no hard link here (%s); written in full", err.strerror or err)
+        if self.world.size > 1:
+            outcome = [linked]
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
+            linked = outcome[0]
+        return linked
+
+    def write(self, step: int, val_loss: float | None = None, best: bool = False) -> None:
+        """The checkpoint of `step`, with its validation loss if it has one; best.pt if `best`."""
         model = self.states["model"]
         if not all_finite(model):  # identical on every rank under DDP: all stop together
             raise Diverged(step, "a weight")
         rng = self.gather_rng_states()
-        path = self.directory / (f"step_{step:09d}.pt" if best is None else BEST)
+        path = self.directory / (BEST if best else f"step_{step:09d}.pt")
         # Disk I/O, not a stalled collective: the others wait for it on the CPU group (whose
         # timeout is dist.checkpoint_timeout_s), with no GPU collective pending meanwhile.
         with self.watchdog.paused():
             failure = None
             if self.world.main:
                 try:
-                    self.write_here(path, step, rng, best)
+                    self.write_here(path, step, rng, val_loss, best)
                 except Exception as err:  # the others must hear of it, not of a broken barrier
                     failure = self.failure(path, err)
             if self.world.size > 1:  # rank 0 is done: how it went, in place of a barrier
@@ -302,19 +338,18 @@ class Checkpointer:
             raise CheckpointFailed(failure)
 
     def write_here(
-        self, path: Path, step: int, rng: list[dict[str, Any]], best: float | None
+        self, path: Path, step: int, rng: list[dict[str, Any]], val_loss: float | None, best: bool
     ) -> None:
         state = {key: stateful.state_dict() for key, stateful in self.states.items()}
         state |= {"step": step, "rng": rng, "config": self.config}
         state["world_size"] = self.world.size
+        if val_loss is not None:  # best.pt's bar; a step checkpoint's, should it become best.pt
+            state["val_loss"] = val_loss
         self.directory.mkdir(parents=True, exist_ok=True)
-        if best is not None:
-            state["val_loss"] = best
-            write_atomically(state, path)
-            log.info("best checkpoint %s: step %d, val_loss %.4f", path.relative_to(self.run_dir),
-                     step, best)  # fmt: skip
-            return
         write_atomically(state, path)
+        if best:
+            return
+
         self.readable[self.identity(path)] = True
         self.newest = path
         log.info("checkpoint %s", path.relative_to(self.run_dir))

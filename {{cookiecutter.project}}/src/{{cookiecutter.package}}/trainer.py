@@ -232,21 +232,22 @@ class Trainer:
                     self.progress.step = step
                     self.watchdog.beat()
                     record.step(step)
-                    stop = False
+                    stop, score = False, None
                     if log_now:
                         row = self.log_row(step)
                         if self.validates(step):
                             score = self.validate(step, row)  # None: a stop signal cut it short
                             write_row()  # every rank waited for the scores: nothing to overlap
-                            if score:
-                                self.checkpointer.save_best(step, score.loss)
                             # A signal during it stops every rank here, not steps later.
                             stop = preemption.agreed_now()
                         # A resume keeps the rows up to its checkpoint: this one goes first.
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
                     stop = stop or preemption.agreed(step)  # every rank: the same step, or none
-                    self.checkpointer.save(step, last_step=step == max_steps, force=stop)
+                    written = self.checkpointer.save(step, last_step=step == max_steps, force=stop,
+                                                     val_loss=score and score.loss)  # fmt: skip
+                    if score:
+                        self.checkpointer.save_best(step, score.loss, written)
                     if stop:
                         write_row()
                         self.report_stop(step)
