@@ -217,13 +217,17 @@ class Preemption:
         if self.signals.install(main=self.world.main):
             self.steps.callback(self.signals.uninstall)
         self.steps.enter_context(self.signals.deferred())
-        stop = self.signals.requested
-        if self.world.size > 1:
-            flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            stop = self.signals.adopt(int(flag.item()))
+        stop = self.ask_every_rank()
         self.last, self.next_exchange = (step, time.monotonic()), step + 1
         return stop
+
+    def ask_every_rank(self) -> bool:
+        """Whether any rank got a stop signal, in one blocking exchange; its signal is adopted."""
+        if self.world.size == 1:
+            return self.signals.requested
+        flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return self.signals.adopt(int(flag.item()))
 
     def agreed(self, step: int) -> bool:
         """Every rank calls this after every step; all get True at the same step."""
@@ -261,11 +265,7 @@ class Preemption:
         exchange: after work long enough to wait for all ranks anyway (a validation), so that a
         signal during it stops the run there rather than after more steps."""
         self.signals.stepped = True
-        if self.world.size == 1:
-            return self.signals.requested
-        flag = torch.tensor([self.signals.signum or 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return self.signals.adopt(int(flag.item()))
+        return self.ask_every_rank()
 
     def close(self, wait: bool = True) -> None:
         """Finish the exchange in flight before the group is used for anything else (unless
