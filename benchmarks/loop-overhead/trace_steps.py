@@ -52,9 +52,10 @@ def main() -> None:
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
         control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
         results = {}
+        batches = bench.first_batches(cfg, cfg.trainer.grad_accumulation, device)
         for round_ in range(2):
-            bench.reference_ms(cfg, world, device, 10, 10)  # warm
-            results["reference"] = profiled(lambda: bench.reference_ms(cfg, world, device, 0, STEPS), STEPS)
+            bench.reference_ms(cfg, world, device, batches, 10, 10)  # warm
+            results["reference"] = profiled(lambda: bench.reference_ms(cfg, world, device, batches, 0, STEPS), STEPS)
             timed = replace(cfg.trainer, max_steps=WARMUP + STEPS, checkpoint_every=0, val_every=0)
             (scratch / f"t{round_}").mkdir()
             trainer = Trainer(replace(cfg, trainer=timed), world, device, scratch / f"t{round_}", control)

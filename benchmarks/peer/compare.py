@@ -119,6 +119,7 @@ def main() -> None:
         device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
         with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
             control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
+            batches = bench.first_batches(cfg, cfg.trainer.grad_accumulation, device)
             loops = ["template", "hand-written", "Lightning typical", "Lightning lean"]
             times: dict[str, list[float]] = {loop: [] for loop in loops}
             for pair in range(PAIRS):
@@ -127,7 +128,7 @@ def main() -> None:
                     if loop == "template":
                         ms = bench.template_ms(cfg, world, device, control, run_dir, warmup, steps)
                     elif loop == "hand-written":
-                        ms = bench.reference_ms(cfg, world, device, warmup, steps)
+                        ms = bench.reference_ms(cfg, world, device, batches, warmup, steps)
                     else:
                         ms = lightning_ms(cfg, world, device, loop == "Lightning typical", run_dir, warmup, steps)
                     times[loop].append(ms)

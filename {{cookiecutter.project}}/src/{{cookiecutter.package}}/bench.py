@@ -46,7 +46,7 @@ from .data import build_dataset
 from .doctor import Parser, at_least, root_cause, seconds
 from .exits import Exit
 from .model import build_model
-from .trainer import AUTOCAST, Trainer
+from .trainer import Trainer, autocast_for
 from .world import World
 
 PACKAGE = __package__
@@ -62,9 +62,15 @@ class BenchFailed(RuntimeError):
 
 
 def reference_ms(
-    cfg: TrainConfig, world: World, device: torch.device, warmup: int, steps: int
+    cfg: TrainConfig,
+    world: World,
+    device: torch.device,
+    batches: list[tuple[torch.Tensor, ...]],
+    warmup: int,
+    steps: int,
 ) -> float:
-    """A minimal hand-written DDP loop, as the DDP tutorial writes one: median window step time."""
+    """A minimal hand-written DDP loop, as the DDP tutorial writes one, over `batches` (one
+    step's micro-batches, first_batches()): median window step time."""
     window = cfg.trainer.log_every
     cuda = device.type == "cuda"
     torch.manual_seed(cfg.trainer.seed)
@@ -81,10 +87,9 @@ def reference_ms(
     compiled = compilation.compiles(cfg, device)
     forward = torch.compile(model) if compiled else model
     loss_of = compilation.loss_function(compiled)
-    dtype = AUTOCAST.get(cfg.trainer.precision) if cuda else None
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    autocast = autocast_for(device, cfg.trainer.precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=autocast.keywords["dtype"] is torch.float16)
     accumulation = cfg.trainer.grad_accumulation
-    batches = first_batches(cfg, accumulation, device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     windows = []
     for _ in range((warmup + steps) // window):
@@ -93,7 +98,7 @@ def reference_ms(
         for _ in range(window):
             for i, (inputs, labels) in enumerate(batches, start=1):
                 with model.no_sync() if i < accumulation and world.size > 1 else nullcontext():
-                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    with autocast():
                         loss = loss_of(forward(inputs), labels)
                     scaler.scale(loss / accumulation).backward()
             scaler.step(optimizer)
@@ -173,6 +178,8 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     ):
         control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
         sizes = sorted({1, world.size})
+        # built once: the reference times steps on them, pair after pair
+        batches = first_batches(cfg, cfg.trainer.grad_accumulation, device)
         times = {n: {"template": [], "reference": []} for n in sizes}
         for pair in range(pairs):
             for n in sizes:
@@ -185,7 +192,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                             run_dir = scratch / f"template-{n}-{pair}"
                             ms = template_ms(cfg, on, device, control, run_dir, warmup, steps)
                         else:
-                            ms = reference_ms(cfg, on, device, warmup, steps)
+                            ms = reference_ms(cfg, on, device, batches, warmup, steps)
                         gc.collect()  # DDP's reducer holds cycles: free its memory now
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
