@@ -36,7 +36,7 @@ STEPS = [  # the same lines as the quick starts of the project's and the templat
     "make torch                               # PyTorch's CPU build, or PyPI's where that index is out of reach",
     "make install                             # the project, editable, with its test tools",
     f'make train-cpu ARGS="experiment=smoke"   # 2 CPU processes, 20 steps; make train: {ANSWERS["num_gpus"]} GPU(s)',
-    "make test                                # the CPU tests; the GPU ones run where 2 GPUs are visible",
+    "make test                                # the fast CPU tests; GPU tests run where 2 GPUs are visible",
 ]
 # This hook runs in the new project, not where the user typed the command (./new-project -o ..
 # from a clone, cookiecutter --output-dir ...): only the absolute path is right from anywhere.

@@ -2,6 +2,7 @@
 
 import ast
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +30,25 @@ PROFILES = DEFAULTS["nccl_profile"]
 FLAVORS = DEFAULTS["k8s_flavor"]
 PROJECT_SOURCES = TEMPLATE / "{{cookiecutter.project}}"
 PACKAGE_SOURCES = PROJECT_SOURCES / "src" / "{{cookiecutter.package}}"
+
+
+# The local Kubernetes API server that tests/test_cluster.py starts, and whose kubectl
+# test_readme.py runs: a folder holding cluster.sh (up, down, env), bin/kubectl.xz, crds/,
+# runtimes/ and reference/, as the project's CI has it beside the checkout (.ci/run sets it).
+K8S_VAR = "DDP_TEMPLATE_K8S"
+
+
+def local_k8s() -> Path:
+    """The folder K8S_VAR names; the test skips, saying what to set, where it names none."""
+    folder = os.environ.get(K8S_VAR, "")
+    if not folder or not (Path(folder) / "cluster.sh").is_file():
+        found = f"{K8S_VAR}={folder}: no cluster.sh there" if folder else f"{K8S_VAR} is not set"
+        pytest.skip(
+            f"{found}; these tests need a local Kubernetes API server: set {K8S_VAR} to a folder "
+            "whose cluster.sh starts kube-apiserver and kube-controller-manager with the JobSet, "
+            "PyTorchJob and Trainer v2 CRDs (README: Testing the template; CI: bash .ci/run)"
+        )
+    return Path(folder).resolve()
 
 
 def literal(source: Path, name: str) -> Any:
@@ -60,6 +80,15 @@ MATRIX = [(profile, 2, f"demo-{profile.replace('_', '-')}", 1, "job") for profil
     ("auto", 1, "trainjob-one-node", 1, "trainjob"),
 ]
 MATRIX_IDS = [f"{p}-{g}gpu-{n}node-{f}" for p, g, _, n, f in MATRIX]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The generated project's heartbeat (its tests/heartbeat.py, plain Python before rendering):
+    a line naming the running tests whenever none has ended for 30 s."""
+    spec = importlib.util.spec_from_file_location("heartbeat", PROJECT_SOURCES / "tests" / "heartbeat.py")
+    heartbeat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heartbeat)
+    heartbeat.register(config)
 
 
 def render(output_dir: Path, **context) -> Path:
@@ -102,7 +131,12 @@ def installed_default(default_project, tmp_path_factory) -> Path:
     return install(default_project, tmp_path_factory.mktemp("site"))
 
 
-SUITE_TEST = "test_generated_projects_own_tests_pass_and_skip_only_gpu_tests"
+# The default project's suite, as its README's commands run it: its fast tier (make test) in the
+# template's, its full tier (make test-full) in the template's full tier, which includes the fast.
+SUITE_TESTS = {
+    "test_generated_projects_fast_tier_passes": "test",
+    "test_generated_projects_full_tier_passes": "test-full",
+}
 RENDER_TEST = "test_each_render_passes_the_tests_that_depend_on_it"
 # Renders beyond the default, each installed as its image installs it (`pip install .`) and
 # checked by its own tests that depend on what it was made with (`pytest -m render`: config,
@@ -127,11 +161,23 @@ def files_of(project: Path) -> dict[str, bytes]:
     }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests that read the background suites go last, the renders' before the default's:
     the suites start with the session (generated_suite, render_suites), and the template's
-    other tests run beside them, not before them."""
-    items.sort(key=lambda item: (item.originalname == SUITE_TEST, item.originalname == RENDER_TEST))
+    other tests run beside them, not before them. Where both tiers of the default project's suite
+    are selected, its full tier runs alone: it holds every test of the fast one."""
+    suites = [item for item in items if item.originalname in SUITE_TESTS]
+    if len(suites) == 2:
+        fast = [item for item in suites if SUITE_TESTS[item.originalname] == "test"]
+        config.hook.pytest_deselected(items=fast)
+        items[:] = [item for item in items if item not in fast]
+    items.sort(key=lambda item: (item.originalname in SUITE_TESTS, item.originalname == RENDER_TEST))
+
+
+def suite_target(session: pytest.Session) -> str | None:
+    """The make target of the default project's suite this session runs: test, test-full, none."""
+    targets = [SUITE_TESTS[item.originalname] for item in session.items if item.originalname in SUITE_TESTS]
+    return targets[0] if targets else None
 
 
 def quick_start_venv(folder: Path) -> Path:
@@ -167,12 +213,14 @@ def end(process: subprocess.Popen | None) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def generated_suite(request, tmp_path_factory):
     """The default project's own tests, as its Quick start runs them: a fresh render installed
-    editable (make install: pip install -e) in a venv, then `make test` from the project with
-    that venv's bin first on PATH. Started as the session starts where SUITE_TEST is selected:
-    they keep both cores busy for minutes, and the rest of the template's tests (a minute and a
-    half of CPU, a third of it waiting) would otherwise add their time to it. Their output goes
-    to a file that SUITE_TEST streams; their report to junit.xml beside it."""
-    if not any(item.originalname == SUITE_TEST for item in request.session.items):
+    editable (make install: pip install -e) in a venv, then `make test` (or `make test-full`)
+    from the project with that venv's bin first on PATH. Started as the session starts where a
+    test of SUITE_TESTS is selected: they keep both cores busy for minutes, and the rest of the
+    template's tests (a minute and a half of CPU, a third of it waiting) would otherwise add their
+    time to it. Their output goes to a file that the test streams; their report to junit.xml
+    beside it."""
+    target = suite_target(request.session)
+    if target is None:
         yield None
         return
     folder = tmp_path_factory.mktemp("generated-suite")
@@ -187,9 +235,9 @@ def generated_suite(request, tmp_path_factory):
     # Two xdist workers, not the project's four: beside the template's tests and the renders'
     # suites, four put a dozen processes on 2 cores, and the suite took 8% more CPU (786 -> 854
     # CPU-seconds on its own, 2026-12-01) for no less time.
-    process = suite_process(["make", "test"], project, env, folder, extra="-n 2")
+    process = suite_process(["make", target], project, env, folder, extra="-n 2")
     yield SimpleNamespace(process=process, output=folder / "output.txt", report=folder / "junit.xml",
-                          project=project, before=before)  # fmt: skip
+                          project=project, before=before, target=target)  # fmt: skip
     end(process)
 
 

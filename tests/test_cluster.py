@@ -1,9 +1,10 @@
 """The rendered manifests against a real API server, as a cluster admin's would take them.
 
-../shared/k8s (beside this repository) runs kube-apiserver and kube-controller-manager v1.36 with
-the JobSet, PyTorchJob and Kubeflow Trainer CRDs, Trainer's torch-distributed runtime, and
-PodSecurity `restricted` enforced on the namespace default. It has no scheduler and no kubelet:
-pods are created, and checked as the server holds them, but never run. One cluster per session.
+The folder DDP_TEMPLATE_K8S names (../shared/k8s in CI: conftest.local_k8s) runs kube-apiserver
+and kube-controller-manager v1.36 with the JobSet, PyTorchJob and Kubeflow Trainer CRDs,
+Trainer's torch-distributed runtime, and PodSecurity `restricted` enforced on the namespace
+default. It has no scheduler and no kubelet: pods are created, and checked as the server holds
+them, but never run. One cluster per session.
 """
 
 import json
@@ -16,10 +17,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, COMPLETION_INDEX, FLAVORS, TEMPLATE, manifest_of, pod_from, pod_template_in, pod_template_of
+from conftest import (
+    BIN,
+    COMPLETION_INDEX,
+    FLAVORS,
+    local_k8s,
+    manifest_of,
+    pod_from,
+    pod_template_in,
+    pod_template_of,
+)
 
-SHARED = TEMPLATE.parent / "shared" / "k8s"
-TRAINER = SHARED / "reference" / "kubeflow-trainer-v2.3.0" / "pkg"
+TRAINER = Path("reference") / "kubeflow-trainer-v2.3.0" / "pkg"  # in the API server's folder
 NAMESPACE = "default"  # the renders' namespace; restricted here, as an admin would set it
 
 
@@ -40,12 +49,7 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def shared_k8s() -> Path:
-    if not (SHARED / "cluster.sh").exists():
-        pytest.skip(
-            f"{SHARED}/cluster.sh not found: these tests need the local API server that sits beside "
-            "this repository in the ddp-template workspace (CI: bash .ci/run)"
-        )
-    return SHARED
+    return local_k8s()
 
 
 @pytest.fixture(scope="session")
@@ -242,8 +246,8 @@ def test_every_renders_pods_are_admitted_as_restricted_burstable_and_tokenless(c
 def test_the_trainjob_model_matches_trainers_source(shared_k8s):
     """conftest.trainer_pod_template and test_multinode's trainer_env model what Trainer v2.3 does;
     its source and runtime here say the same (a TrainJob's pods are not made on this cluster)."""
-    torch = (TRAINER / "runtime" / "framework" / "plugins" / "torch" / "torch.go").read_text()
-    constants = (TRAINER / "constants" / "constants.go").read_text()
+    torch = (shared_k8s / TRAINER / "runtime" / "framework" / "plugins" / "torch" / "torch.go").read_text()
+    constants = (shared_k8s / TRAINER / "constants" / "constants.go").read_text()
     for name, variable in [("TorchEnvNumNodes", "PET_NNODES"), ("TorchEnvNumProcPerNode", "PET_NPROC_PER_NODE"),
                            ("TorchEnvNodeRank", "PET_NODE_RANK"), ("TorchEnvMasterAddr", "PET_MASTER_ADDR"),
                            ("TorchEnvMasterPort", "PET_MASTER_PORT")]:  # fmt: skip
@@ -261,8 +265,9 @@ def test_the_trainjob_model_matches_trainers_source(shared_k8s):
 
 
 def pods_of(cluster, name: str, count: int, image: str) -> list[dict]:
-    """The Job's pods once the controller has made `count` of them with `image`, by index."""
-    deadline = time.monotonic() + 60
+    """The Job's pods once the controller has made `count` of them with `image`, by index (a
+    wait, not a limit: the controller takes seconds, more on a loaded machine)."""
+    deadline = time.monotonic() + 300
     while True:
         pods = cluster.get("pods", "-l", f"job-name={name}")["items"]
         live = [p for p in pods if "deletionTimestamp" not in p["metadata"]]

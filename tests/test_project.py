@@ -59,15 +59,26 @@ def changed_files(run) -> list[str]:
                   if after.get(name) != run.before.get(name))  # fmt: skip
 
 
-@pytest.mark.timeout(1500)  # the README's testing section says how long it takes
-def test_generated_projects_own_tests_pass_and_skip_only_gpu_tests(generated_suite, capsys):
-    """The Quick start's `make test` on its editable install, running from the session's start
-    (conftest.generated_suite)."""
-    output = stream(generated_suite, "the generated project's tests (make test)", capsys)
+def suite_passed(generated_suite, capsys) -> None:
+    """The Quick start's `make test` (or `make test-full`) on its editable install, running
+    from the session's start (conftest.generated_suite): it passes, skips only what needs a GPU,
+    and leaves the project as it was."""
+    output = stream(generated_suite, f"the generated project's tests (make {generated_suite.target})", capsys)
     assert generated_suite.process.returncode == 0, output[-20000:]
     _, skipped = outcomes(generated_suite)
     assert {name: why for name, why in skipped.items() if GPU_SKIP not in why} == {}
     assert changed_files(generated_suite) == []
+
+
+@pytest.mark.timeout(1500)  # the README's testing section says how long it takes
+def test_generated_projects_fast_tier_passes(generated_suite, capsys):
+    suite_passed(generated_suite, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_generated_projects_full_tier_passes(generated_suite, capsys):
+    suite_passed(generated_suite, capsys)
 
 
 @pytest.mark.timeout(1500)

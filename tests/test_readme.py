@@ -39,9 +39,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, FLAVORS, TEMPLATE, render
-
-KUBECTL_XZ = TEMPLATE.parent / "shared" / "k8s" / "bin" / "kubectl.xz"
+from conftest import BIN, FLAVORS, TEMPLATE, local_k8s, render
 
 # ---------------------------------------------------------------- reading the READMEs
 
@@ -170,6 +168,7 @@ CLASSIFIED = [
     (r"pytest -m render$", "generated-suite"),  # the renders' selection, run by test_project
     (r"torchrun .* -m {package}\.train", "torchrun"),
     (r"make (demo|clean)$", "template-make"),
+    (r"DDP_TEMPLATE_K8S=\S+ make test-full$", "template-make"),  # the template's, with its API server
     (r"make ", "make"),
     (r"kubectl ", "kubectl"),
     (r"python -m {package}\.k8s\.apply$", "cluster"),  # make k8s-apply's last step
@@ -374,7 +373,8 @@ class Plan:
 
     # Each rule: (found, the command after placeholders, its words).
     def command(self, found: Found, text: str, context: str = "") -> None:
-        rule = "template-make" if context == "template" and text == "make test" else classify(text, self.names)
+        template_tests = context == "template" and text in ("make test", "make test-full")
+        rule = "template-make" if template_tests else classify(text, self.names)
         if rule is None:
             self.add(found, text, f"unclassified: {text}")
             return
@@ -424,7 +424,10 @@ class Plan:
             self.command(found, " ".join(line.split()))
 
     def rule_template_make(self, found, command, words):
-        done = subprocess.run(["make", "-n", *words[1:]], cwd=TEMPLATE, env=self.env, capture_output=True, text=True)
+        settings = dict(word.split("=", 1) for word in words[: words.index("make")])  # VAR=value make ...
+        env = {**self.env, **settings}
+        done = subprocess.run(["make", "-n", *words[words.index("make") + 1 :]], cwd=TEMPLATE, env=env,
+                              capture_output=True, text=True)  # fmt: skip
         trains = re.findall(r"ddp-project (train .*)$", done.stdout, re.MULTILINE)
         problem = None if done.returncode == 0 and (trains or "pytest" in done.stdout) else done.stderr[-500:]
         self.add(found, f"{command} (template): make -n", problem)
@@ -698,13 +701,11 @@ def test_the_yaml_examples_compose_and_render(plan):
 
 @pytest.fixture(scope="module")
 def kubectl(tmp_path_factory) -> Path:
-    if not KUBECTL_XZ.exists():
-        pytest.skip(f"{KUBECTL_XZ} not found: kubectl comes with the API server beside this repository")
     import lzma
 
     folder = tmp_path_factory.mktemp("kubectl")
     binary = folder / "kubectl"
-    with lzma.open(KUBECTL_XZ) as packed, binary.open("wb") as out:
+    with lzma.open(local_k8s() / "bin" / "kubectl.xz") as packed, binary.open("wb") as out:
         shutil.copyfileobj(packed, out, 1 << 20)
     binary.chmod(0o755)
     # A server that is not there: kubectl reads its flags and files, then fails to connect.
@@ -733,6 +734,33 @@ def test_kubectl_lines_read_their_flags_and_files_and_get_as_far_as_the_server(p
         if "connection refused" not in said or re.search(r"unknown (flag|command|shorthand)|does not exist", said):
             failed.append(f"{step.what}: {said[-400:]}")
     assert failed == []
+
+
+@pytest.mark.parametrize("kubeconfig", ["a closed port", "a missing file"])
+def test_k8s_apply_with_no_server_to_reach_says_which_it_tried_not_that_it_refused(
+    default_project, installed_default, kubectl, tmp_path, kubeconfig
+):
+    """kubectl's own failure to connect is no server refusing k8s/: one line naming the server it
+    tried (or that it had no kubeconfig) and what to do, and nothing asked of a server."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "kubectl").symlink_to(kubectl)
+    config = kubectl.parent / "config" if kubeconfig == "a closed port" else tmp_path / "nowhere"
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{path_with(installed_default)}",
+           "PYTHONPATH": str(installed_default), "KUBECONFIG": str(config), "HOME": str(tmp_path)}  # fmt: skip
+    (package,) = (p.name for p in (default_project / "src").iterdir() if p.suffix != ".egg-info")
+    done = subprocess.run([sys.executable, "-m", f"{package}.k8s.apply"], cwd=default_project, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    point = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
+    tried = (
+        "no API server reachable at https://127.0.0.1:1 (connection refused), the server of kubectl's "
+        'context "none"; start it, or'
+        if kubeconfig == "a closed port"
+        else f"no API server: kubectl has no kubeconfig (KUBECONFIG={config} names no file), so it tried "
+        "localhost:8080 (connection refused);"
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr == f"make k8s-apply: {tried} {point}; nothing was changed\n"
 
 
 # ---------------------------------------------------------------- facts the READMEs state

@@ -62,6 +62,7 @@ EXPECTED_FILES = {
     "configs/logger/mlflow.yaml",
     "configs/logger/tensorboard.yaml",
     "configs/logger/wandb.yaml",
+    "configs/hydra/help/usage.yaml",
     "configs/hydra/job_logging/rank_zero.yaml",
     "configs/model/gpt.yaml",
     "configs/model/mlp.yaml",
@@ -122,6 +123,7 @@ EXPECTED_FILES = {
     "src/{package}/world.py",
     "src/{package}/worker_exits.py",
     "tests/conftest.py",
+    "tests/heartbeat.py",
     "tests/test_bench.py",
     "tests/test_check.py",
     "tests/test_checkpoint.py",
@@ -134,6 +136,8 @@ EXPECTED_FILES = {
     "tests/test_launch.py",
     "tests/test_multinode.py",
     "tests/test_gpu.py",
+    "tests/test_heartbeat.py",
+    "tests/test_help.py",
     "tests/test_k8s.py",
     "tests/test_loggers.py",
     "tests/test_metrics.py",
@@ -649,7 +653,9 @@ MAKE_TARGETS = {
     "  || python -m pip install --retries 1 --timeout 20 torch --index-url https://download.pytorch.org/whl/cpu \\\n"
     "  || python -m pip install torch",
     "install": "python -m pip install -e '.[dev]'",
-    "test": READY + "python -m pytest",
+    "install-all": "python -m pip install -e '.[dev,wandb,mlflow]'",
+    "test": READY + 'python -m pytest -m "not slow"',
+    "test-full": READY + "python -m pytest",
     "train": READY + "{project} train --standalone --nproc-per-node {gpus}",
     "train-cpu": READY + "{project} train --standalone --nproc-per-node 2 dist.backend=gloo",
     "doctor": READY + "python -m {package}.doctor",
@@ -699,10 +705,13 @@ def test_github_workflow_keeps_its_expressions_and_runs_tests_and_a_gloo_run(ren
     (setup_python,) = [step for step in job["steps"] if step.get("uses", "").startswith("actions/setup-python@")]
     assert setup_python["with"]["python-version"] == "3.11"
     runs = [step["run"] for step in job["steps"] if "run" in step]
-    # the Quick start's lines (make torch: PyTorch's CPU build, not the multi-GB CUDA one)
+    # the Quick start's lines (make torch: PyTorch's CPU build, not the multi-GB CUDA one), in
+    # their full tier: both loggers' packages, and the failure-injection tests
     readme = [line.split("#")[0].strip() for line in quick_start((rendered.path / "README.md").read_text())]
-    assert runs[1:] == readme[1:] and readme[0].startswith("python3 -m venv .venv")
-    assert "make test" in runs and 'make train-cpu ARGS="experiment=smoke"' in runs
+    full_tier = {"make install": "make install-all", "make test": "make test-full"}
+    assert runs[1:] == [full_tier.get(line, line) for line in readme[1:]]
+    assert readme[0].startswith("python3 -m venv .venv")
+    assert "make test-full" in runs and 'make train-cpu ARGS="experiment=smoke"' in runs
 
 
 def quick_start(readme: str) -> list[str]:

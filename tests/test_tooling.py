@@ -4,7 +4,8 @@ import ast
 import subprocess
 from pathlib import Path
 
-from conftest import BIN, PACKAGE_SOURCES, PROJECT_SOURCES, TEMPLATE
+import pytest
+from conftest import BIN, K8S_VAR, PACKAGE_SOURCES, PROJECT_SOURCES, TEMPLATE, local_k8s
 
 OWN_CODE = [
     "hooks",
@@ -79,10 +80,16 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_ci_runs_the_readme_test_command():
-    readme = (TEMPLATE / "README.md").read_text()
-    assert "make test" in readme.split("\n## ")[0]  # among the opening commands
-    assert "make test" in (TEMPLATE / ".ci" / "run").read_text()
-    assert "export NO_SKIPS=1" in (TEMPLATE / ".ci" / "run").read_text()  # a skip fails there
+    """The README's opening commands name the full tier as what CI runs, and .ci/run runs it,
+    with the API server's folder set for the tests that need it."""
+    opening = (TEMPLATE / "README.md").read_text().split("\n## ")[0]
+    block = opening.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert commands == ["make demo", "make test-full"] and "(what CI runs)" in block
+    ci = (TEMPLATE / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == "make test-full"
+    assert "export NO_SKIPS=1" in ci  # a skip fails there
+    assert any(line.startswith("export DDP_TEMPLATE_K8S=") for line in ci)
 
 
 def test_a_skip_fails_where_no_skips_is_set_unless_it_needs_a_gpu(pytester, monkeypatch):
@@ -110,3 +117,18 @@ def test_a_skip_fails_where_no_skips_is_set_unless_it_needs_a_gpu(pytester, monk
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1, skipped=1)  # a fixture's skip fails the test's setup
     result.stdout.fnmatch_lines(["*skipped where NO_SKIPS is set: *no API server*"])
+
+
+def test_the_api_server_tests_skip_saying_what_to_set(monkeypatch, tmp_path):
+    """A clone without the local API server: the skip names DDP_TEMPLATE_K8S and what it holds."""
+    for value, says in [(None, f"{K8S_VAR} is not set"), (str(tmp_path), f"{K8S_VAR}={tmp_path}: no cluster.sh there")]:
+        if value is None:
+            monkeypatch.delenv(K8S_VAR, raising=False)
+        else:
+            monkeypatch.setenv(K8S_VAR, value)
+        with pytest.raises(pytest.skip.Exception) as skipped:
+            local_k8s()
+        assert str(skipped.value).startswith(f"{says}; these tests need a local Kubernetes API server: set {K8S_VAR}")
+        assert "workspace" not in str(skipped.value)
+    (tmp_path / "cluster.sh").write_text("#!/bin/sh\n")
+    assert local_k8s() == tmp_path.resolve()

@@ -1,6 +1,7 @@
 """Helpers that run the project the way users do: compose the real config, launch torchrun."""
 
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -13,10 +14,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from heartbeat import register as register_heartbeat
 from hydra import compose, initialize_config_module
 
 from ddp_project.config import register_configs
 
+# One thread per process for what the tests start and for torch in the test processes, as
+# torchrun gives each worker: on 2 cores, with several test workers and ranks at once, a thread
+# per core each spends more CPU spinning than computing (8% of the suite's CPU). The launcher's
+# launches get the environment as a user has it (users_env): it sets its own, and says so.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 PACKAGE = "ddp_project"
 ROOT = Path(__file__).resolve().parents[1]
 RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # world.run_name's
@@ -26,6 +33,46 @@ RUN_NAME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}")  # world.ru
 # NCCL profile, package) from configs/ or k8s/: with the tests marked render, what the template
 # runs for each of its renders (pytest -m render), beside the whole suite for its default one.
 RENDER_MODULES = {"test_config", "test_check", "test_k8s", "test_project_files"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    register_heartbeat(config)  # a line naming the running tests whenever none has ended for 30 s
+
+
+@pytest.fixture
+def figure(record_property):
+    """figure(text): a measured figure (seconds a stop took on this machine, say) for the summary
+    at the end of the run. Tests bound what load can stretch generously, where only the cause of a
+    failure could reach the bound, and report the tight figure here rather than assert it."""
+    return lambda text: record_property("figure", text)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The figures the tests reported (fixture figure), with xdist too: they travel with the
+    reports."""
+    figures = [
+        (report.nodeid, value)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "figure"
+    ]
+    if figures:
+        terminalreporter.section(
+            "figures measured on this machine (bounded generously, not asserted)"
+        )
+        for nodeid, text in sorted(figures):
+            terminalreporter.write_line(f"{nodeid}: {text}")
+
+
+def needs(module: str) -> pytest.MarkDecorator:
+    """For a test of logger=<module>: skipped where its package is missing, saying how to get it
+    (make install leaves wandb and mlflow out; make install-all, and CI, bring both)."""
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None,
+        reason=f"{module} is not installed: make install-all (or pip install -e '.[{module}]')",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -136,10 +183,17 @@ def launch_command(*args: str) -> list[str]:
     return [sys.executable, "-m", f"{PACKAGE}.launch", "train", *args]
 
 
+def users_env() -> dict[str, str]:
+    """This environment as a user's shell has it: without the tests' OMP_NUM_THREADS, which the
+    launcher sets for its workers itself (torchrun would print a banner about it otherwise)."""
+    return {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+
+
 def launch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        launch_command(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+        launch_command(*args), cwd=cwd, env=users_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -217,7 +271,7 @@ def hang_one_rank(
         assert None not in workers, f"workers not found: {workers}"
         os.kill(workers[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        output, _ = launcher.communicate(timeout=timeout_s + 90)
+        output, _ = launcher.communicate(timeout=timeout_s + 300)  # a loaded machine's slack
         return launcher.returncode, output, time.monotonic() - stopped_at
     finally:
         # Workers may sit in sessions of their own and keep the output pipe open: end them first.

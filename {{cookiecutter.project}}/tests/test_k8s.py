@@ -49,7 +49,8 @@ BAD = [
     ),
     (
         "deploy.affinity={nodeAfinity:{}}",
-        "deploy.affinity.nodeAfinity: no such key; allowed: nodeAffinity, podAffinity",
+        "deploy.affinity.nodeAfinity: no such key; did you mean deploy.affinity.nodeAffinity? "
+        "allowed: nodeAffinity, podAffinity",
     ),
     ("deploy.affinity={podAffinity:[]}", "deploy.affinity.podAffinity: must be a mapping"),
     (
@@ -134,7 +135,14 @@ BAD = [
         "deploy.tolerations=[{key:gpu,tolerationSeconds:60}]",
         "deploy.tolerations[0].tolerationSeconds=60: must be a whole number of seconds",
     ),
-    ("deploy.tolerations=[{key:gpu,colour:red}]", "deploy.tolerations[0].colour: no such key"),
+    (
+        "deploy.tolerations=[{key:gpu,colour:red}]",
+        "deploy.tolerations[0].colour: no such key; allowed: key,",
+    ),
+    (
+        "deploy.tolerations=[{key:gpu,effct:NoSchedule}]",
+        "deploy.tolerations[0].effct: no such key; did you mean deploy.tolerations[0].effect? allowed: key,",
+    ),
     ("+deploy.node_selector.zone_=a", "deploy.node_selector.zone_: must be a label key"),
     ("+deploy.node_selector={zone:a/b}", "deploy.node_selector.zone=a/b: must be a label value"),
     ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
@@ -430,6 +438,119 @@ def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, c
     assert apply.main(tmp_path / "k8s") == 1
     assert capsys.readouterr().err == (
         f"make k8s-apply: {tmp_path / 'k8s'}/ holds no manifests: python -m {PACKAGE}.k8s writes them\n"
+    )
+
+
+# kubectl's errors (v1.32) when it reached no API server, and when one answered.
+REFUSED_AT = (
+    'error: error validating "STDIN": error validating data: failed to download openapi: Get '
+    '"{server}/openapi/v2?timeout=32s": dial tcp {address}: connect: connection refused; if you '
+    "choose to ignore these errors, turn validation off with --validate=false"
+)
+MEMCACHE = (
+    'E1202 15:02:00.835153   20032 memcache.go:265] "Unhandled Error" err="couldn\'t get current '
+    'server API group list: Get \\"{server}/api?timeout=32s\\": dial tcp {address}: connect: '
+    'connection refused"\nThe connection to the server {address} was refused - did you specify '
+    "the right host or port?"
+)
+NO_HOST = (
+    'error: error validating "STDIN": error validating data: failed to download openapi: Get '
+    '"https://gpu.example.invalid:6443/openapi/v2?timeout=32s": dial tcp: lookup '
+    "gpu.example.invalid on 10.0.0.53:53: no such host; if you choose to ignore these errors, "
+    "turn validation off with --validate=false"
+)
+POINT_IT = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
+REACHED_NONE = [
+    (REFUSED_AT.format(server="https://127.0.0.1:1", address="127.0.0.1:1"),
+     'no API server reachable at https://127.0.0.1:1 (connection refused), the server of '
+     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
+    (MEMCACHE.format(server="https://10.1.2.3:6443", address="10.1.2.3:6443"),
+     'no API server reachable at https://10.1.2.3:6443 (connection refused), the server of '
+     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
+    (NO_HOST,
+     'no API server reachable at https://gpu.example.invalid:6443 (no such host), the server of '
+     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
+    ("Unable to connect to the server: dial tcp 10.9.9.9:443: i/o timeout",
+     'no API server reachable at 10.9.9.9:443 (i/o timeout), the server of kubectl\'s context '
+     f'"lab"; start it, or {POINT_IT}'),
+    ("error: Error in configuration: context was not found for specified context: nope",
+     f"kubectl's kubeconfig is unusable (Error in configuration: context was not found for "
+     f"specified context: nope); {POINT_IT}"),
+]  # fmt: skip
+ANSWERED = [
+    'Error from server (NotFound): error when creating "STDIN": namespaces "team-b" not found',
+    'Error from server (InternalError): error when creating "STDIN": Internal error occurred: '
+    'failed calling webhook "validate.kueue.x-k8s.io": failed to call webhook: Post '
+    '"https://kueue-webhook-service.kueue-system.svc:443/validate?timeout=10s": dial tcp '
+    "10.96.4.2:443: connect: connection refused",  # the server answered: its webhook is down
+    'The Job "ddp-project" is invalid: spec.parallelism: Invalid value: -1',
+]
+
+
+@pytest.mark.parametrize("said", [s for s, _ in REACHED_NONE] + ANSWERED)
+def test_kubectl_reaching_no_server_is_told_from_a_server_refusing(said, monkeypatch):
+    """make k8s-apply says "the server refuses k8s/" only when a server answered; kubectl's
+    own failure to reach one names the server it tried and what to do."""
+    monkeypatch.setattr(apply, "current_context", lambda: "lab")
+    expected = dict(REACHED_NONE).get(said)
+    assert apply.no_server_reached(said) == expected
+
+
+@pytest.mark.parametrize("kubeconfig", [None, "missing"])
+def test_kubectl_without_a_kubeconfig_is_told_so(kubeconfig, tmp_path, monkeypatch):
+    """With no kubeconfig (none at all, or KUBECONFIG naming no file) kubectl tries
+    localhost:8080 without a word: the line says that is why."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    if kubeconfig:
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / kubeconfig))
+    said = REFUSED_AT.format(server="http://localhost:8080", address="127.0.0.1:8080")
+    why = f"KUBECONFIG={tmp_path / kubeconfig} names no file" if kubeconfig else (
+        "KUBECONFIG is unset and ~/.kube/config does not exist"
+    )  # fmt: skip
+    assert apply.no_server_reached(said) == (
+        f"no API server: kubectl has no kubeconfig ({why}), so it tried localhost:8080 "
+        f"(connection refused); {POINT_IT}"
+    )
+    (tmp_path / ".kube").mkdir()
+    (tmp_path / ".kube" / "config").write_text("apiVersion: v1\n")
+    (tmp_path / "missing").write_text("apiVersion: v1\n")  # a kubeconfig whose server is 8080
+    monkeypatch.setattr(apply, "current_context", lambda: None)
+    assert apply.no_server_reached(said) == (
+        f"no API server reachable at http://localhost:8080 (connection refused); start it, or {POINT_IT}"
+    )
+
+
+def test_apply_with_no_server_reachable_says_so_in_one_line_and_changes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    said = REFUSED_AT.format(server="https://127.0.0.1:1", address="127.0.0.1:1")
+    kubectl = tmp_path / "kubectl"
+    log = tmp_path / "calls"
+    kubectl.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n[ "$1" = config ] && echo lab && exit 0\n'
+        f"cat >/dev/null; echo '{said}' >&2; exit 1\n"
+    )
+    kubectl.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    folder = tmp_path / "k8s"
+    folder.mkdir()
+    metadata = {"name": "p", "namespace": "ns", "labels": meta.labels("p")}
+    (folder / "job.yaml").write_text(yaml.safe_dump({"kind": "Job", "metadata": metadata}))
+    assert apply.main(folder) == 1
+    assert capsys.readouterr().err == (
+        "make k8s-apply: no API server reachable at https://127.0.0.1:1 (connection refused), the "
+        f'server of kubectl\'s context "lab"; start it, or {POINT_IT}; nothing was changed\n'
+    )
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["create", "config"]
+
+    def interrupted(*args, stdin=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(apply, "kubectl", interrupted)
+    assert apply.main(folder) == 130
+    assert capsys.readouterr().err == (
+        "make k8s-apply: stopped by SIGINT during the server's dry run; nothing was changed\n"
     )
 
 

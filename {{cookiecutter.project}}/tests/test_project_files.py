@@ -26,6 +26,17 @@ FILES_FOR_TWO_NODES = {
 }
 
 
+def recipe(makefile: str, target: str) -> list[str]:
+    """The lines of a Makefile target's recipe (its tab-led lines), as make reads them."""
+    after = makefile.split(f"\n{target}:", 1)[1].split("\n")[1:]
+    lines = []
+    for line in after:
+        if not line.startswith("\t"):
+            break
+        lines.append(line)
+    return lines
+
+
 def workload_container() -> dict:
     workload = yaml.safe_load((ROOT / "k8s" / f"{FLAVOR}.yaml").read_text())
     return trainer_container(FLAVOR, workload)
@@ -230,3 +241,33 @@ def test_the_readmes_layout_names_every_module():
     named = set(re.findall(r"\b\w+\.py\b", layout))
     assert modules - named == set(), "add them to the README's Layout"
     assert named - modules == set(), "the Layout names modules that are gone"
+
+
+def test_make_install_leaves_the_loggers_packages_to_make_install_all():
+    """wandb and mlflow are 99 packages and 1.4 GB: make install leaves them out (their tests
+    skip, saying so: conftest.needs), make install-all and CI bring them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names = {
+        extra: {re.split(r"[<>=!~ \[]", dep)[0] for dep in deps} for extra, deps in extras.items()
+    }
+    assert not names["dev"] & {"wandb", "mlflow-skinny", "mlflow"}
+    assert names["wandb"] == {"wandb"} and names["mlflow"] == {"mlflow-skinny"}
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\tpython -m pip install -e '.[dev]'" in recipe(makefile, "install")
+    assert "\tpython -m pip install -e '.[dev,wandb,mlflow]'" in recipe(makefile, "install-all")
+    workflow = (ROOT / ".github" / "workflows" / "ci.yml").read_text()
+    assert "- run: make install-all\n" in workflow and "- run: make test-full\n" in workflow
+
+
+def test_make_test_is_the_fast_tier_and_every_skip_says_why():
+    """make test: every test but those marked slow (the failure-injection launches); make
+    test-full: all. -ra: each skip's reason in the summary."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert '\tpython -m pytest -m "not slow"' in recipe(makefile, "test")
+    assert "\tpython -m pytest" in recipe(makefile, "test-full")
+    pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"
+    ]
+    assert "-ra" in pytest_options["addopts"].split()
+    assert any(marker.startswith("slow: ") for marker in pytest_options["markers"])

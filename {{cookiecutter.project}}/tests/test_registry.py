@@ -1,11 +1,17 @@
 """A model and a data set added through the registry alone, as the README's "Adding a model, a
 dataset or a logger" says: a YAML file in configs/<group>/ and a registered schema and builder for
-each, no other edit. They compose, are checked, train and are scored, in this process."""
+each, no other edit. They compose, are checked, train and are scored, in this process. A model
+with the same keys as another is told apart by the option its checkpoints record; a registration
+that takes another's name is refused at import."""
 
+import inspect
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +20,24 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_project import evaluate, registry
+from ddp_project import (
+    checkpoint,
+    config,
+    evaluate,
+    registry,
+    rundir,
+    validate,
+)
 from ddp_project.check import compose_and_check
-from ddp_project.config import HELD_OUT, DataConfig, register_configs
+from ddp_project.config import (
+    HELD_OUT,
+    DataConfig,
+    MlpConfig,
+    PointsConfig,
+    register_configs,
+)
 from ddp_project.config_error import ConfigError, require
+from ddp_project.model import build_model
 from ddp_project.trainer import Trainer
 from ddp_project.world import World
 
@@ -57,10 +77,39 @@ class Toy(nn.Linear):
         return 6 * self.weight.numel()
 
 
+@dataclass
+class ResMlpConfig:
+    """The resmlp option (resmlp.yaml): the README's recipe followed for a model whose keys are
+    model=mlp's, as a copy of MlpConfig has them."""
+
+    hidden_dim: int = MISSING
+    depth: int = MISSING
+
+
+class ResMlp(nn.Module):
+    """Residual blocks over data=synthetic's points: another module than the Mlp, whose weights
+    no Mlp loads."""
+
+    def __init__(self, cfg: ResMlpConfig, data: PointsConfig) -> None:
+        super().__init__()
+        self.stem = nn.Linear(data.num_features, cfg.hidden_dim)
+        self.blocks = nn.ModuleList(
+            nn.Linear(cfg.hidden_dim, cfg.hidden_dim) for _ in range(cfg.depth)
+        )
+        self.head = nn.Linear(cfg.hidden_dim, data.num_classes)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.stem(inputs)
+        for block in self.blocks:
+            hidden = hidden + torch.relu(block(hidden))
+        return self.head(hidden)
+
+
 YAML = {
-    "data/signs.yaml": "defaults:\n  - signs_schema\n  - _self_\n\nnum_samples: 640\nwidth: 4\n"
+    "data/signs.yaml": "defaults:\n  - /signs_schema\n  - _self_\n\nnum_samples: 640\nwidth: 4\n"
     "batch_size: 16\nnum_workers: 0\npin_memory: false\non_device: false\n",
-    "model/toy.yaml": "defaults:\n  - toy_schema\n  - _self_\n\nbias: true\n",
+    "model/toy.yaml": "defaults:\n  - /toy_schema\n  - _self_\n\nbias: true\n",
+    "model/resmlp.yaml": "defaults:\n  - /resmlp_schema\n  - _self_\n\nhidden_dim: 32\ndepth: 2\n",
 }
 
 
@@ -74,6 +123,9 @@ def configs(tmp_path, monkeypatch):
     registry.builds(SignsConfig)(signs)
     registry.option("model", "toy", "a toy", stored_as="toy_schema", reads=SignsConfig)(ToyConfig)
     registry.builds(ToyConfig)(Toy)
+    registry.option("model", "resmlp", "a residual MLP", stored_as="resmlp_schema",
+                    reads=PointsConfig)(ResMlpConfig)  # fmt: skip
+    registry.builds(ResMlpConfig)(ResMlp)
     folder = tmp_path / "configs"
     shutil.copytree(str(files("ddp_project.configs")), folder)
     for name, text in YAML.items():
@@ -81,8 +133,9 @@ def configs(tmp_path, monkeypatch):
     register_configs()
     yield folder
     repo = ConfigStore.instance().repo
-    repo["data"].pop("signs_schema.yaml")
-    repo["model"].pop("toy_schema.yaml")
+    repo.pop("signs_schema.yaml")
+    repo.pop("toy_schema.yaml")
+    repo.pop("resmlp_schema.yaml")
 
 
 def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are_scored(
@@ -127,3 +180,202 @@ def test_every_registered_option_has_a_builder():
     """The package's own options (their builders registered when model, data and loggers are
     imported, as the trainer imports them): a schema without one would fail only once chosen."""
     assert [o.name for o in registry.OPTIONS.values() if o.schema not in registry.BUILDERS] == []
+
+
+RESMLP = ["model=resmlp", "dist.backend=gloo", "logger=csv", "trainer.max_steps=20",
+          "trainer.log_every=10", "trainer.checkpoint_every=20"]  # fmt: skip
+
+
+@pytest.fixture
+def resmlp_run(configs, tmp_path):
+    """run/, trained 20 steps with model=resmlp (validated at the last), in this process."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = compose_and_check(RESMLP, configs)
+    assert isinstance(config.model, ResMlpConfig)  # the keys model=mlp has, its own schema
+    assert Trainer(config, World(), torch.device("cpu"), run_dir).train() is False
+    return run_dir
+
+
+def test_a_model_with_another_models_keys_is_scored_and_resumed_as_itself(
+    configs, resmlp_run, monkeypatch, capsys
+):
+    path = resmlp_run / "checkpoints" / "step_000000020.pt"
+    state = checkpoint.read(path)
+    assert state["options"] == {"data": "synthetic", "model": "resmlp"}
+    assert set(state["config"]["model"]) == {"hidden_dim", "depth"}  # model=mlp's keys too
+
+    # Scored as the ResMlp it trained: the score its validation at step 20 gave.
+    saved = validate.from_saved(state["config"], [], held_out=True, recorded=state["options"])
+    assert isinstance(build_model(saved.model, saved.data), ResMlp)
+    result = evaluate.evaluate(path, evaluate.load(path), [], World())
+    (row,) = [r for r in map(json.loads, (resmlp_run / "metrics.jsonl").open()) if r["step"] == 20]
+    assert (result["loss"], result["accuracy"]) == (row["val_loss"], row["val_accuracy"])
+    with pytest.raises(ConfigError) as told:  # the checkpoint's option is no user's to change
+        evaluate.evaluate(path, evaluate.load(path), [], World(), told={"model": "mlp"})
+    assert str(told.value) == (
+        "model=mlp: the checkpoint was trained with model=resmlp, which builds it; leave model= out"
+    )
+
+    # Resumed only as itself: its config and model=mlp's compare equal but for the values.
+    resume = ["trainer.max_steps=30", "hydra.run.dir=run"]
+    assert rundir.resume_problem(resmlp_run, compose_and_check([*RESMLP, *resume], configs)) is None
+    as_mlp = compose_and_check([*RESMLP, "model=mlp", "model.hidden_dim=32", *resume], configs)
+    assert rundir.changes_on_resume(state["config"], as_mlp) == []  # what let it through before
+    assert rundir.resume_problem(resmlp_run, as_mlp) == (
+        f"model=mlp: the checkpoint in {resmlp_run} (step_000000020.pt) was trained with "
+        "model=resmlp; resume with model=resmlp, add trainer.accept_changes=[model] to switch, or "
+        "choose another hydra.run.dir"
+    )
+    as_mlp.trainer.accept_changes = ["model"]  # a switch asked for
+    assert rundir.resume_problem(resmlp_run, as_mlp) is None
+    as_mlp.trainer.accept_changes = ["model.hidden_dim", "model.depth"]  # its keys are no switch
+    assert rundir.resume_problem(resmlp_run, as_mlp).startswith("model=mlp: the checkpoint in ")
+
+
+def test_a_checkpoint_that_records_no_option_is_read_by_its_keys_and_refused_when_two_fit(
+    configs, resmlp_run, monkeypatch, capsys
+):
+    """A checkpoint written before checkpoints recorded their options: its config alone."""
+    path = resmlp_run / "checkpoints" / "step_000000020.pt"
+    state = checkpoint.read(path)
+    score = evaluate.evaluate(path, state, [], World())
+    del state["options"]
+    torch.save(state, path)
+
+    # Its keys fit model=mlp and model=resmlp: evaluate names both and asks which.
+    monkeypatch.chdir(resmlp_run.parent)
+    monkeypatch.setattr(sys, "argv", ["evaluate", "ckpt=run"])
+    assert evaluate.main() == 2
+    assert capsys.readouterr().err == (
+        "config error: model: the checkpoint records no model option (it was written before "
+        "checkpoints did), and its keys (depth, hidden_dim) fit 2: model=mlp, model=resmlp; say "
+        "which it was trained with: model=mlp or model=resmlp\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["evaluate", "ckpt=run", "model=resmlp"])
+    assert evaluate.main() == 0, capsys.readouterr().err
+    scored = json.loads((resmlp_run / "eval" / "step_000000020.json").read_text())
+    assert scored["loss"] == score["loss"]
+    # data=synthetic is the only data option with its keys: no need to name it
+    assert validate.from_saved(state["config"], [], told={"model": "resmlp"}).data.num_classes == 8
+
+    # A resume names both too, and what makes it go on.
+    config = compose_and_check([*RESMLP, "trainer.max_steps=30"], configs)
+    assert rundir.resume_problem(resmlp_run, config) == (
+        f"hydra.run.dir={resmlp_run} resumes from step_000000020.pt: the checkpoint records no "
+        "model option (it was written before checkpoints did), and its keys (depth, hidden_dim) "
+        "fit 2: model=mlp, model=resmlp; to resume it as model=resmlp add "
+        "trainer.accept_changes=[model], or choose another hydra.run.dir"
+    )
+    config.trainer.accept_changes = ["model"]
+    assert rundir.resume_problem(resmlp_run, config) is None
+
+
+def line_of(module, text: str) -> str:
+    """file:line of the first line of `module` that holds `text`."""
+    source = inspect.getsourcefile(module)
+    lines = Path(source).read_text().splitlines()
+    return f"{source}:{next(n for n, line in enumerate(lines, 1) if text in line)}"
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """Registrations made in a test stay in it."""
+    monkeypatch.setattr(registry, "OPTIONS", dict(registry.OPTIONS))
+
+
+def here(offset: int = 1) -> str:
+    """file:line of the caller's line `offset` lines down."""
+    caller = inspect.currentframe().f_back
+    return f"{caller.f_code.co_filename}:{caller.f_lineno + offset}"
+
+
+def test_a_schema_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
+    """A decorator copied with only its name changed: ConfigStore would have kept the copy
+    under mlp_schema, and model=mlp trained the copy's class."""
+    mlp = line_of(config, '@option("model", "mlp"')
+    at = here()
+    copied = registry.option("model", "resmlp", "a residual MLP", stored_as="mlp_schema")
+    with pytest.raises(SystemExit) as stop:
+        copied(ResMlpConfig)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: model=resmlp: stored_as='mlp_schema' (ResMlpConfig at {at}) is already "
+        f"model=mlp's (MlpConfig at {mlp}); each option's schema needs a name of its own, e.g. "
+        f"stored_as='resmlp_schema', named first in {Path('configs', 'model', 'resmlp.yaml')}\n"
+    )
+    assert registry.option_of(MlpConfig).name == "mlp" and ResMlpConfig not in registry.OPTIONS
+
+
+def test_an_option_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
+    mlp = line_of(config, '@option("model", "mlp"')
+    at = here()
+    again = registry.option("model", "mlp", "a residual MLP", stored_as="resmlp_schema")
+    with pytest.raises(SystemExit) as stop:
+        again(ResMlpConfig)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: model=mlp: registered twice, by ResMlpConfig at {at} and by MlpConfig at "
+        f"{mlp}; an option's name is its YAML's (configs/model/<name>.yaml) and one schema's: "
+        "rename one\n"
+    )
+
+
+def test_names_are_an_options_own_within_its_group_only_and_a_module_may_register_again(
+    own_registry, capsys
+):
+    """A data option named mlp clashes with no model: Hydra keeps each group's options apart. A
+    module imported again (importlib.reload) registers its schemas again, as the same options."""
+    registry.option("data", "mlp", "points", stored_as="points_mlp_schema")(ResMlpConfig)
+    source = (
+        "from dataclasses import dataclass\n"
+        "@registry.option('model', 'again', 'twice', stored_as='again_schema')\n"
+        "@dataclass\nclass Again:\n    width: int = 0\n"
+    )
+    for _ in range(2):
+        exec(source, {"__name__": "reloaded", "registry": registry})
+    assert [o.name for o in registry.options("model")].count("again") == 1
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("stored_as", "line"),
+    [
+        ("mlp_schema", "is already model=mlp's"),  # another group's: one root namespace
+        ("train_schema", "is the name of the primary config's own"),
+        ("train", "is the name of the primary config's own"),
+    ],
+)
+def test_a_schema_name_is_its_own_across_groups_and_beside_the_primary_config(
+    own_registry, capsys, stored_as, line
+):
+    """The schemas share the ConfigStore's root with each other and with train_schema: a data
+    schema stored as mlp_schema would replace the model's."""
+    with pytest.raises(SystemExit) as stop:
+        registry.option("data", "points2", "points", stored_as=stored_as)(ResMlpConfig)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: data=points2: stored_as={stored_as!r} ") and line in err
+    assert err.count("\n") == 1 and ResMlpConfig not in registry.OPTIONS
+
+
+def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
+    """A module that registers model=mlp before config.py does: `python -m <package>.check`
+    ends at its import of config.py, with one line and exit 2, no traceback."""
+    (tmp_path / "mine.py").write_text(
+        "from dataclasses import dataclass\n\nfrom ddp_project.registry import option\n\n\n"
+        "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
+        "@dataclass\nclass MyMlpConfig:\n    width: int = 0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import mine, runpy; runpy.run_module('ddp_project.check', "
+         "run_name='__main__')", "model=mlp"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    mlp = line_of(config, '@option("model", "mlp"')
+    assert done.stderr == (
+        f"config error: model=mlp: registered twice, by MlpConfig at {mlp} and by MyMlpConfig at "
+        f"{tmp_path / 'mine.py'}:6; an option's name is its YAML's (configs/model/<name>.yaml) and "
+        "one schema's: rename one\n"
+    )

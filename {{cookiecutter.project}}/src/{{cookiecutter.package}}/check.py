@@ -31,10 +31,11 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import loggers
 from .config import TrainConfig, register_configs
-from .config_error import ConfigError
+from .config_error import ConfigError, did_you_mean
 from .exits import Exit
 from .logger_config import LoggersConfig
 from .overrides import configs_folder, exit_with_error, hydra_overrides, yaml_problem
+from .registry import stored_options
 from .validate import check_composed
 
 
@@ -57,15 +58,16 @@ def one_line(err: Exception) -> str:
             allowed = schema_keys(cause)
             if not allowed:  # a map (deploy.node_selector): its keys are the user's to add
                 return f"{full_key}: no such key; add it to the map with +{full_key}=..."
-            return f"{full_key}: no such key; allowed: {', '.join(allowed)}"
+            parent, _, key = full_key.rpartition(".")
+            hint = did_you_mean(key, allowed, prefix=f"{parent}." if parent else "")
+            return f"{full_key}: no such key; {hint}allowed: {', '.join(allowed)}"
         if isinstance(cause, MissingMandatoryValue):
             return f"{full_key}: no value; set it in configs/ or as {full_key}=..."
         return f"{full_key}: {reason}"
     text = str(err)
     group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
     if group:
-        options = re.findall(r"^\t(\S+)$", text, re.MULTILINE)
-        return f"{group.group(1)}={group.group(2)}: no such option; allowed: {', '.join(options)}"
+        return no_such_option(*group.groups(), re.findall(r"^\t(\S+)$", text, re.MULTILINE))
     return " ".join(text.split())
 
 
@@ -121,15 +123,41 @@ def compose_and_check_or_exit(
         exit_with_error(f"config error: {describe(err)}")
 
 
+def no_such_option(group: str, name: str, options: list[str]) -> str:
+    return f"{group}={name}: no such option; {did_you_mean(name, options)}allowed: {', '.join(options)}"
+
+
 def unknown_option(err: MissingConfigException) -> str:
-    """An option missing from a list (logger=[tensorboard,nope]): Hydra names it but, unlike
-    for a single one, not the options there are. Call inside configs_at."""
-    found = re.search(r"Could not load '([^'/]+)/([^']+)'", str(err))
+    """A config Hydra could not load, which it names without saying what there is: an option
+    missing from a list (logger=[tensorboard,nope]), or a name in a defaults list of a group's
+    YAML. Call inside configs_at."""
+    found = re.search(r"In '([^']+)': Could not load '([^']+)'", str(err))
     if not found:
         return one_line(err)
-    group, name = found.groups()
-    options = GlobalHydra.instance().config_loader().get_group_options(group)
-    return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+    where, name = found.groups()
+    group, _, option = name.rpartition("/")
+    loader = GlobalHydra.instance().config_loader()
+    options = loader.get_group_options(group) if group else []
+    if where == "train" and options:
+        return no_such_option(group, option, options)
+    return missing_default(where, name, options)
+
+
+def missing_default(where: str, name: str, options: list[str]) -> str:
+    """configs/<where>.yaml's defaults list names a config there is none of: a schema named as
+    an option of the group (- mlp_schema: the schemas are at the root), or a typo. Hydra writes
+    a relative name with the group in front (model/mlp_schema), an absolute one without its /;
+    `options`: the group's, if the name has one."""
+    schemas = [stored.stored_as for stored in stored_options()]
+    group, _, wanted = name.rpartition("/")
+    said = f"configs/{where}.yaml: its defaults list names {name}, which is no config"
+    if wanted in schemas:
+        return f"{said}; a schema is named from the root: - /{wanted}"
+    if options:
+        hint = did_you_mean(wanted, options, prefix=f"{group}/")
+        return f"{said}; {hint}the {group} options: {', '.join(options)}"
+    hint = did_you_mean(wanted, schemas, prefix="/")
+    return f"{said}; {hint}the schemas: {', '.join(f'/{schema}' for schema in schemas)}"
 
 
 def unchosen_logger(overrides: list[str]) -> str | None:

@@ -30,6 +30,8 @@ from .check import job_config
 from .config import FREE_ON_RESUME, TrainConfig, dotted, marked_keys
 from .config_error import ConfigError
 from .overrides import exit_with_error
+from .registry import chosen, fitting
+from .validate import unrecorded
 from .world import World
 
 LOCK = ".lock"
@@ -201,6 +203,9 @@ def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = Non
             f"checkpoint in {run_dir} ({path.name}): raise trainer.max_steps, or choose another "
             f"{key}"
         )
+    switched = option_problem(state, config, path, run_dir, place)
+    if switched:
+        return switched
     changes = changes_on_resume(state.get("config", {}), config)
     if not changes:
         return None
@@ -211,6 +216,51 @@ def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = Non
         f"These change results; to continue anyway add trainer.accept_changes=[{keys}], or choose "
         f"another {key}"
     )
+
+
+def option_problem(
+    state: dict[str, Any], config: TrainConfig, path: Path, run_dir: Path, place: Place | None
+) -> str | None:
+    """A resume under another model or data option than the checkpoint was trained with, as one
+    line, or None; trainer.accept_changes naming the group lets it switch. A checkpoint written
+    before checkpoints recorded their options is the option whose schema has its keys; one whose
+    keys fit several is refused too, as nothing tells which it was."""
+    key, shown = place or Place.run(run_dir)
+    recorded = state.get("options")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    saved = state.get("config")
+    saved = saved if isinstance(saved, dict) else {}
+    accepted = set(config.trainer.accept_changes)
+    switched, unknown = [], []
+    for group, now in chosen(config).items():
+        if group in accepted:
+            continue
+        if group in recorded:
+            before = [recorded[group]]
+        else:
+            values = saved.get(group)
+            fits = fitting(group, values) if isinstance(values, dict) else []
+            if len(fits) > 1:
+                unknown.append((group, now, values, fits))
+            before = [o.name for o in fits]
+        if len(before) == 1 and before[0] != now:
+            switched.append((group, now, before[0]))
+    if switched:
+        now = ", ".join(f"{group}={name}" for group, name, _ in switched)
+        then = ", ".join(f"{group}={name}" for group, _, name in switched)
+        groups = ",".join(group for group, _, _ in switched)
+        return (
+            f"{now}: the checkpoint in {run_dir} ({path.name}) was trained with {then}; resume "
+            f"with {then}, add trainer.accept_changes=[{groups}] to switch, or choose another {key}"
+        )
+    if unknown:
+        group, now, values, fits = unknown[0]
+        listed = ", ".join(sorted(map(str, values)))
+        return (
+            f"{shown} resumes from {path.name}: {unrecorded(group, listed, fits)}; to resume it as "
+            f"{group}={now} add trainer.accept_changes=[{group}], or choose another {key}"
+        )
+    return None
 
 
 def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:

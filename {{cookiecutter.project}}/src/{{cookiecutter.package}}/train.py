@@ -12,13 +12,39 @@ Hydra composes configs/train.yaml once per process and check.ConfigCheck validat
 the run dir exists; main runs with that checked config. Rank and world size come from torchrun's environment, read once (World).
 """
 
-import logging
+# ruff: noqa: E402 (the imports after the stop handler below)
 import os
 import signal
 import sys
+from typing import NoReturn
+
+from .exits import for_signal
+from .world import World
+
+# stopping.STOP_SIGNALS, which imports torch: these are taken before it is.
+STARTING_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stopped_while_importing(signum: int, frame: object) -> NoReturn:
+    """A stop while torch and Hydra import (seconds), before stopping.SIGNALS takes over: nothing
+    has started. Under torchrun its launcher says so (`<project> train`, or torchrun itself);
+    alone, this process does, in one line."""
+    if not World.from_env().launched:
+        line = f"{signal.Signals(signum).name}: stopped before the first step, nothing new to save"
+        print(line, file=sys.stderr, flush=True)
+    os._exit(for_signal(signum))
+
+
+if __name__ == "__main__":  # the command (tests import this module)
+    for signum in STARTING_STOPS:
+        signal.signal(signum, stopped_while_importing)
+    # The launcher starts its workers with these held (launch.HELD_FOR_WORKERS): one that came
+    # while this interpreter started comes now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTING_STOPS)
+
+import logging
 import threading
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 import torch
@@ -32,7 +58,6 @@ from .config import TrainConfig, register_configs, uses_cuda
 from .exits import Exit
 from .overrides import exit_with_error, hydra_argv
 from .trainer import Trainer
-from .world import World
 
 log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
@@ -231,6 +256,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    stopping.SIGNALS.install(main=World.from_env().main)  # SIGTERM, Ctrl-C: no traceback
+    world = World.from_env()
+    stopping.SIGNALS.install(world.main, world.launched)  # SIGTERM, Ctrl-C: no traceback
     sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
     main()

@@ -13,8 +13,17 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .config import HELD_OUT, NcclConfig, TrainConfig, uses_cuda
-from .config_error import ConfigError, require
-from .registry import option_of, stored_options
+from .config_error import ConfigError, did_you_mean, require
+from .registry import (
+    Option,
+    fitting,
+    keys_of,
+    named,
+    option_of,
+    options,
+    stored_groups,
+    stored_options,
+)
 from .world import World
 
 
@@ -88,7 +97,8 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
     allowed = [f.name for f in dataclasses.fields(schema)]
     for key in node:
         if key not in allowed:
-            raise ConfigError(f"{prefix}{key}: no such key; allowed: {', '.join(allowed)}")
+            hint = did_you_mean(key, allowed, prefix)
+            raise ConfigError(f"{prefix}{key}: no such key; {hint}allowed: {', '.join(allowed)}")
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             check_keys(child, f"{prefix}{key}.")
@@ -163,25 +173,88 @@ def check_accept_changes(config: TrainConfig) -> None:
             )
 
 
-def from_saved(saved: dict[str, Any], overrides: list[str], held_out: bool = False) -> TrainConfig:
+def from_saved(
+    saved: dict[str, Any],
+    overrides: list[str],
+    held_out: bool = False,
+    recorded: dict[str, str] | None = None,
+    told: dict[str, str] | None = None,
+) -> TrainConfig:
     """A checkpoint's config (the plain dict it holds) typed and checked again, with dotted
-    key=value overrides on top; held_out=True checks its data for evaluation (check_data)."""
+    key=value overrides on top; held_out=True checks its data for evaluation (check_data).
+    `recorded`: the checkpoint's options (registry.chosen), which pick each group's schema; `told`:
+    those the user named (evaluate's model=<name>), for a checkpoint that records none."""
     parts: dict[str, Any] = {}
     for group, values in saved.items():
-        schemas = [o.schema for o in stored_options() if o.group == group]
-        if not schemas:
+        if group not in stored_groups():
             parts[group] = values
             continue
-        keys = set(values)
-        schema = next((s for s in schemas if {f.name for f in dataclasses.fields(s)} == keys), None)
-        if schema is None:
-            raise ConfigError(
-                f"{group}: the checkpoint's keys ({', '.join(sorted(keys))}) fit no {group} schema"
-            )
-        parts[group] = OmegaConf.merge(OmegaConf.structured(schema), values)
+        option = saved_option(group, values, (recorded or {}).get(group), (told or {}).get(group))
+        parts[group] = OmegaConf.merge(OmegaConf.structured(option.schema), values)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), parts)
         cfg.merge_with_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(" ".join(str(err).split())) from None
     return check_composed(cfg, held_out=held_out)
+
+
+def saved_option(group: str, values: Any, recorded: Any, told: str | None) -> Option:
+    """The option whose schema reads a checkpoint's `values` of `group`: the one it `recorded`;
+    for a checkpoint that records none (written before checkpoints did), the one the user `told`,
+    else the only one whose schema has its keys. A ConfigError when that is no option here, or
+    when several fit and the user named none."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{group}: the checkpoint's is a {type(values).__name__}, not a dict")
+    keys = set(values)
+    listed = ", ".join(sorted(map(str, keys))) or "none"
+    registered = ", ".join(o.name for o in options(group) if o.stored_as is not None)
+    if recorded is not None:
+        option = named(group, recorded)
+        if told is not None and told != recorded:
+            raise ConfigError(
+                f"{group}={told}: the checkpoint was trained with {group}={recorded}, which "
+                f"builds it; leave {group}= out"
+            )
+        if option is None or option.stored_as is None:
+            raise ConfigError(
+                f"{group}={recorded}: the checkpoint was trained with this option, which is not "
+                f"registered here (registered: {registered}); register it again to read it"
+            )
+        if keys_of(option.schema) != keys:
+            raise ConfigError(
+                f"{group}={recorded}: the checkpoint's keys ({listed}) are not those of its schema "
+                f"{option.schema.__name__} ({', '.join(sorted(keys_of(option.schema)))})"
+            )
+        return option
+    fits = fitting(group, keys)
+    if told is not None:
+        option = named(group, told)
+        if option is None or option.stored_as is None:
+            raise ConfigError(f"{group}={told}: no such option; allowed: {registered}")
+        if option not in fits:
+            raise ConfigError(
+                f"{group}={told}: its keys ({', '.join(sorted(keys_of(option.schema)))}) are not "
+                f"the checkpoint's ({listed})"
+            )
+        return option
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        raise ConfigError(
+            f"{group}: the checkpoint's keys ({listed}) fit no {group} schema "
+            f"(registered: {registered})"
+        )
+    raise ConfigError(
+        f"{group}: {unrecorded(group, listed, fits)}; say which it was trained with: "
+        f"{' or '.join(f'{group}={o.name}' for o in fits)}"
+    )
+
+
+def unrecorded(group: str, listed: str, fits: list[Option]) -> str:
+    """A checkpoint of before option names were recorded, whose keys fit several options."""
+    names = ", ".join(f"{group}={o.name}" for o in fits)
+    return (
+        f"the checkpoint records no {group} option (it was written before checkpoints did), and "
+        f"its keys ({listed}) fit {len(fits)}: {names}"
+    )

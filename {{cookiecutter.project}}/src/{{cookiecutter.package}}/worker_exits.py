@@ -4,6 +4,7 @@ the process whose failure is a cause, and the exit code to pass on."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -25,12 +26,23 @@ STOPPED = {Exit.INTERRUPTED, Exit.PREEMPTED, -signal.SIGINT, -signal.SIGTERM}
 SAID_ALREADY = {Exit.CONFIG_ERROR, Exit.DIVERGED, Exit.CHECKPOINT_FAILED}
 
 
+# torchrun's log lines that the launcher's own last line says again: the worker processes'
+# about stopping the others and about the failed one, and the elastic agent's about the stop
+# signal it got, which it raises on to the launcher ("stopped by <signal>").
+SAID_BELOW = ("Sending process", "failed (exitcode")
+DEATH_SIGNAL = re.compile(r"Received \S+ death signal, shutting down workers$")
+TORCHRUN_LOGGERS = (  # where those come from
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+)
+
+
 class SaidBelow(logging.Filter):
-    """torchrun's log lines about stopping the other workers and about the failed one: the
-    launcher's own last line says the same."""
+    """For TORCHRUN_LOGGERS: torchrun's lines that the launcher's own last line says again."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(("Sending process", "failed (exitcode"))
+        said = record.getMessage()
+        return not (said.startswith(SAID_BELOW) or DEATH_SIGNAL.match(said))
 
 
 # Exits that follow from another process's failure: a collective that failed because its peer

@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..config_error import did_you_mean
 from .flavors import FLAVORS
 from .meta import (
     TOPOLOGY_ANNOTATIONS,
@@ -72,7 +73,8 @@ def toleration_errors(key: str, toleration: Any) -> list[str]:
         return [f"{key}={toleration}: must be a mapping of {', '.join(TOLERATION_KEYS)}"]
     unknown = sorted(set(toleration) - set(TOLERATION_KEYS))
     if unknown:
-        return [f"{key}.{unknown[0]}: no such key; allowed: {', '.join(TOLERATION_KEYS)}"]
+        hint = did_you_mean(unknown[0], TOLERATION_KEYS, f"{key}.")
+        return [f"{key}.{unknown[0]}: no such key; {hint}allowed: {', '.join(TOLERATION_KEYS)}"]
     operator, effect = toleration.get("operator", "Equal"), toleration.get("effect", "")
     problems = {
         "operator": (operator in ("Equal", "Exists"), "must be Equal or Exists"),
@@ -214,8 +216,9 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
     found += map_errors(deploy, "node_selector", label_values=True)
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
+        hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")
         found.append(
-            f"deploy.affinity.{key}: no such key; allowed: {', '.join(AFFINITY_KEYS)} (as in a pod's spec.affinity)"
+            f"deploy.affinity.{key}: no such key; {hint}allowed: {', '.join(AFFINITY_KEYS)} (as in a pod's spec.affinity)"
         )
     for key in AFFINITY_KEYS:
         if not isinstance(deploy["affinity"].get(key, {}), Mapping):
