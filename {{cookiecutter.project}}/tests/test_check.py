@@ -16,7 +16,8 @@ BAD = [
     ("nccl.p2p_disable=maybe", "nccl.p2p_disable: Value 'maybe' is not a valid bool"),
     (
         "nccl.p2p_disabel=true",
-        "nccl.p2p_disabel: no such key; allowed: auto, p2p_disable, p2p_level, ib_disable",
+        "nccl.p2p_disabel: no such key; did you mean nccl.p2p_disable? allowed: auto, p2p_disable, "
+        "p2p_level, ib_disable",
     ),
     ("trainer.max_steps=-1", "trainer.max_steps=-1: must be at least 1"),
     (
@@ -86,6 +87,10 @@ BAD = [
     ),
     ("trainer.keep_checkpoints=1", "trainer.keep_checkpoints=1: must be at least 2"),
     (
+        "trainer.async_checkpoint=maybe",
+        "trainer.async_checkpoint: Value 'maybe' is not a valid bool",
+    ),
+    (
         "trainer.checkpoint_every=-1",
         "trainer.checkpoint_every=-1: must be 0 (no checkpoints) or more",
     ),
@@ -101,6 +106,30 @@ BAD = [
         "data.num_workers=2: must be 0 with data.on_device=true",
     ),
     ("experiment=huge", "experiment=huge: no such option; allowed: gpt2_small, mlp_134m, smoke"),
+    # A typo gets the closest name (difflib), between "no such ..." and "allowed:"; the lists
+    # hold the options a user may choose, never a schema's name (mlp_schema: config.py).
+    (
+        "experiment=smok",
+        "experiment=smok: no such option; did you mean smoke? allowed: gpt2_small,",
+    ),
+    ("model=mpl", "model=mpl: no such option; did you mean mlp? allowed: gpt, mlp"),
+    ("data=tokenz", "data=tokenz: no such option; did you mean tokens? allowed: synthetic, tokens"),
+    ("model=mlp_schema", "model=mlp_schema: no such option; allowed: gpt, mlp"),
+    ("nccl=pcie-safe", "nccl=pcie-safe: no such option; did you mean pcie_safe? allowed: auto,"),
+    ("trainer.lrr=1", "trainer.lrr: no such key; did you mean trainer.lr? allowed: max_steps, lr,"),
+    (
+        "+trainer.lrr=1",
+        "trainer.lrr: no such key; did you mean trainer.lr? allowed: max_steps, lr,",
+    ),
+    ("trainr.lr=1", "trainr: no such key; did you mean trainer? allowed: model, data, logger,"),
+    ("+trainr.lr=1", "trainr: no such key; did you mean trainer? allowed: model, data, logger,"),
+    ("deploy.imag=x", "deploy.imag: no such key; did you mean deploy.image? allowed: name, image,"),
+    (
+        "+deploy.imag=x",
+        "deploy.imag: no such key; did you mean deploy.image? allowed: name, image,",
+    ),
+    ("trainer.zzz=1", "trainer.zzz: no such key; allowed: max_steps, lr,"),  # nothing close
+    ("+trainer.zzz=1", "trainer.zzz: no such key; allowed: max_steps, lr,"),
     ("dist.timeout_s=0", "dist.timeout_s=0: must be 1 to 604800 seconds (a week)"),
     ("dist.backend=mpi", "dist.backend: Invalid value 'mpi', expected one of [auto, nccl, gloo]"),
     ("dist.async_error_handling=5", "dist.async_error_handling=5: must be null, 0, 1, 2 or 3"),
@@ -355,6 +384,32 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
         compose_and_check([], configs_copy)
     where = f"{configs_copy / 'local' / 'default.yaml'}"
     assert describe(failure.value) == where + ("" if message.startswith(":") else ", ") + message
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        # As the schemas were named before they moved to the root of Hydra's store.
+        ("mlp_schema", "its defaults list names model/mlp_schema, which is no config; a schema is named "
+                       "from the root: - /mlp_schema"),
+        ("/mlp_schem", "its defaults list names mlp_schem, which is no config; did you mean /mlp_schema? "
+                       "the schemas: /points_schema, /tokens_schema, /mlp_schema, /gpt_schema"),
+        ("/zzz", "its defaults list names zzz, which is no config; the schemas: /points_schema,"),
+        ("/logger/csvv", "its defaults list names logger/csvv, which is no config; did you mean "
+                         "logger/csv? the logger options: csv, mlflow, tensorboard, wandb"),
+    ],
+)  # fmt: skip
+def test_a_defaults_entry_that_names_no_config_is_one_line_naming_the_file(
+    configs_copy, entry, message
+):
+    from ddp_project.check import compose_and_check, describe
+    from ddp_project.config_error import ConfigError
+
+    mlp = configs_copy / "model" / "mlp.yaml"
+    mlp.write_text(mlp.read_text().replace("  - /mlp_schema ", f"  - {entry} ", 1))
+    with pytest.raises(ConfigError) as failure:
+        compose_and_check([], configs_copy)
+    assert describe(failure.value).startswith(f"configs/model/mlp.yaml: {message}")
 
 
 def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ from ddp_project.world import World
 ONE = World()
 
 
-def checkpointer(run_dir, model, keep=2, every=10, keep_best=False) -> Checkpointer:
+def checkpointer(run_dir, model, keep=2, every=10, keep_best=False, asynchronous=False):
+    """Synchronous unless asked: these tests read the files a write leaves at once."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     states = {"model": model, "optimizer": optimizer, "data": Progress()}
     return Checkpointer(run_dir, every=every, keep=keep, keep_best=keep_best, world=ONE,
-                        group=None, states=states, config={})  # fmt: skip
+                        group=None, states=states, config={}, options={},
+                        asynchronous=asynchronous)  # fmt: skip
 
 
 def names(run_dir) -> list[str]:
@@ -153,22 +156,25 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     def checkpointer_of(model, progress):
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         states = {"model": model, "optimizer": optimizer, "data": progress}
-        saver = Checkpointer(
-            tmp_path, every=10, keep=2, world=ONE, group=None, states=states, config={}
-        )
+        saver = Checkpointer(tmp_path, every=10, keep=2, world=ONE, group=None, states=states,
+                             config={"model": {"depth": 2}}, options={"model": "resmlp"})  # fmt: skip
         return saver, optimizer
 
     model, progress = torch.nn.Linear(4, 2), Progress(12, 1, 5)
     saver, optimizer = checkpointer_of(model, progress)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()  # moments to keep
-    saver.write(12)
+    saver.write(12)  # asynchronous, as the Trainer's
+    saver.settle()
     expected_rng = (torch.rand(3), random.random())
     torch.manual_seed(99)
     random.seed(99)
     fresh, fresh_progress = torch.nn.Linear(4, 2), Progress()
     loader, fresh_optimizer = checkpointer_of(fresh, fresh_progress)
-    assert loader.load()["step"] == 12 and fresh_progress == progress
+    state = loader.load()
+    assert state["step"] == 12 and fresh_progress == progress
+    # which option built it: its keys alone may fit several (validate.saved_option)
+    assert (state["config"], state["options"]) == ({"model": {"depth": 2}}, {"model": "resmlp"})
     weights, loaded = model.state_dict(), fresh.state_dict()
     assert all(torch.equal(weights[key], loaded[key]) for key in weights)
     before, after = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
@@ -227,3 +233,114 @@ def test_best_pt_is_a_second_name_of_the_checkpoint_of_its_step_or_a_copy_withou
         "step_000000010.pt",
         "step_000000020.pt",
     ]  # no partial
+
+
+class HeldWrites:
+    """Holds every checkpoint write at its start until released: a write that outlasts the
+    steps after it, as a 2 GB write does on a slow disk."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.release = threading.Event()
+        write = checkpoint.write_atomically
+
+        def held(state, path):
+            assert self.release.wait(timeout=60), "a held write was never released"
+            write(state, path)
+
+        monkeypatch.setattr(checkpoint, "write_atomically", held)
+
+
+def test_training_goes_on_during_a_write_and_the_file_holds_the_state_of_its_step(
+    tmp_path, monkeypatch
+):
+    model = torch.nn.Linear(4, 2)
+    saver = checkpointer(tmp_path, model, asynchronous=True)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    held = HeldWrites(monkeypatch)
+    saver.write(10)  # returns with the write still to do
+    assert saver.writer.busy() and not (tmp_path / "checkpoints" / "step_000000010.pt").exists()
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the next steps change the weights in place
+    held.release.set()
+    saver.settle()
+    saved = torch.load(tmp_path / "checkpoints" / "step_000000010.pt", weights_only=True)
+    assert all(torch.equal(saved["model"][key], before[key]) for key in before)
+    assert saver.newest.name == "step_000000010.pt"
+
+
+def test_a_save_during_the_last_write_waits_for_it_and_says_so(tmp_path, monkeypatch, caplog):
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2), asynchronous=True)
+    held = HeldWrites(monkeypatch)
+    saver.write(10)
+    threading.Timer(0.3, held.release.set).start()
+    with caplog.at_level(logging.INFO):
+        saver.write(20)  # the snapshot's buffers are the last write's: it waits
+    saver.settle()
+    assert "for the write of checkpoints/step_000000010.pt to finish" in caplog.text
+    assert names(tmp_path) == ["step_000000010.pt", "step_000000020.pt"]
+
+
+def test_a_background_write_that_fails_is_raised_by_the_next_settle_and_the_good_ones_stay(
+    tmp_path, monkeypatch
+):
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2), asynchronous=True)
+    saver.write(10)
+    saver.settle()
+    good = (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes()
+    fdopen = os.fdopen
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda *a: FullDisk(fdopen(*a), room=600))
+    saver.write(20)  # no error here: the write goes on in the background
+    saver.writer.thread.join()
+    assert saver.failed()  # what the Trainer tells every rank at the next log window
+    with pytest.raises(checkpoint.CheckpointFailed) as failed:
+        saver.settle()
+    assert "rank 0 could not write" in str(failed.value) and "[Errno 28]" in str(failed.value)
+    assert "step_000000010.pt, the newest checkpoint before it, is kept" in str(failed.value)
+    assert names(tmp_path) == ["step_000000010.pt"]
+    assert (tmp_path / "checkpoints" / "step_000000010.pt").read_bytes() == good
+    assert not saver.failed()  # raised once
+
+
+def test_a_write_that_does_not_read_back_is_not_counted_and_deletes_nothing(tmp_path, monkeypatch):
+    """A file system that acknowledges a write it did not keep: the old checkpoints stay."""
+    saver = checkpointer(tmp_path, torch.nn.Linear(4, 2), keep=2, asynchronous=True)
+    for step in (10, 20):
+        saver.write(step)
+    saver.settle()
+    write = checkpoint.write_atomically
+
+    def lost(state, path):
+        write(state, path)
+        path.write_bytes(b"")  # what the disk gave back
+
+    monkeypatch.setattr(checkpoint, "write_atomically", lost)
+    saver.write(30)
+    with pytest.raises(checkpoint.CheckpointFailed, match="step_000000030.pt"):
+        saver.settle()
+    assert {"step_000000010.pt", "step_000000020.pt"} <= set(names(tmp_path))
+    assert saver.newest.name == "step_000000020.pt"
+
+
+def test_tied_weights_stay_one_tensor_in_the_file(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # as a GPT ties its embedding and its output layer
+    saver = checkpointer(tmp_path, model, asynchronous=True)
+    saver.write(10)
+    saver.settle()
+    saved = torch.load(tmp_path / "checkpoints" / "step_000000010.pt", weights_only=True)["model"]
+    assert saved["0.weight"].data_ptr() == saved["1.weight"].data_ptr()
+
+
+def test_a_snapshot_owns_its_tensors_and_keeps_what_load_state_dict_reads():
+    """A module's state_dict is an OrderedDict whose _metadata load_state_dict reads: copied as
+    such, tensor by tensor (a deep copy of it would clone GPU tensors on the GPU, not to host)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    state = model.state_dict()
+    staged = checkpoint.Snapshot().take({"model": state, "step": 3})
+    copied = staged["model"]
+    assert type(copied) is type(state) and copied._metadata == state._metadata
+    assert list(copied) == list(state) and staged["step"] == 3
+    for key, tensor in state.items():
+        assert torch.equal(copied[key], tensor)
+        assert copied[key].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).load_state_dict(copied)

@@ -18,6 +18,7 @@ def compiled_on_cpu(monkeypatch):
     monkeypatch.setattr(compilation, "compiles", lambda cfg, device: cfg.trainer.compile)
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    monkeypatch.setenv(compilation.CACHE_VAR, "")  # the Trainer sets it: undone after the test
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -100,3 +101,25 @@ def test_a_torch_without_dynamos_counts_turns_the_watch_off_with_one_line(monkey
     line = watch.news()
     assert line.startswith("the watch on recompiles is off") and "cannot import name" in line
     assert watch.news() is None
+
+
+def test_the_compile_caches_live_beside_the_run_dir_unless_the_user_chose_theirs(tmp_path):
+    """A pod rescheduled to a fresh node, and the next run, find them on the runs' storage, not
+    in the node's /tmp; inductor reads the variable itself, so it must be set, not returned."""
+    env = {}
+    cache = tmp_path / ".compile-cache"
+    assert compilation.keep_caches_in(tmp_path / "2026-12-03_07-00-00_abc123", env) == cache
+    assert env == {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    theirs = {"TORCHINDUCTOR_CACHE_DIR": "/cache"}
+    assert compilation.keep_caches_in(tmp_path, theirs) is None
+    assert theirs == {"TORCHINDUCTOR_CACHE_DIR": "/cache"}
+
+
+def test_inductor_reads_its_cache_dir_from_the_variable_as_keep_caches_in_sets_it(
+    tmp_path, monkeypatch
+):
+    """The torch this runs on still takes the directory from TORCHINDUCTOR_CACHE_DIR at use."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
+    assert cache_dir() == str(tmp_path / "compile-cache")

@@ -106,7 +106,8 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained, run_h
 
 
 def write_checkpoint(path: Path, compose_train, *overrides: str, step: int = 5) -> Path:
-    """A checkpoint as the Checkpointer writes one (an untrained model): what evaluate reads."""
+    """A checkpoint as the Checkpointer wrote one (an untrained model) before checkpoints recorded
+    their options (model=mlp): evaluate reads it by its keys, which fit one option of each group."""
     cfg = OmegaConf.to_object(compose_train(*overrides))
     with torch.device("cpu"):
         model = build_model(cfg.model, cfg.data)
@@ -293,6 +294,46 @@ def test_a_hostile_argument_is_one_line(tmp_path, compose_train, run_here, arg, 
         arg = f"ckpt=run {arg}"
     code, out, err = run_here(tmp_path, *arg.split())
     assert (code, out) == (2, "") and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_records_its_options_and_one_without_is_read_by_its_keys(trained):
+    """The Checkpointer's checkpoints say which options built them; write_checkpoint's (the
+    format of before) do not, and score all the same above."""
+    (run_dir,) = (trained / "outputs").iterdir()
+    state = torch.load(run_dir / "checkpoints" / "step_000000060.pt", weights_only=True)
+    assert state["options"] == {"data": "synthetic", "model": "mlp"}
+
+
+@pytest.mark.parametrize(
+    ("options", "args", "message"),
+    [
+        ([1], [], "ckpt=run/checkpoints/step_000000005.pt: its 'options' is a list, not a dict"),
+        ({"model": "resmlp"}, [], "model=resmlp: the checkpoint was trained with this option, which "
+         "is not registered here (registered: mlp, gpt); register it again to read it"),
+        ({"model": 5}, [], "model=5: the checkpoint was trained with this option, which is not "
+         "registered here"),
+        ({"model": "gpt"}, [], "model=gpt: the checkpoint's keys (depth, hidden_dim) are not those "
+         "of its schema GptConfig (d_model, n_head, n_layer)"),
+        ({"model": "mlp"}, ["model=gpt"], "model=gpt: the checkpoint was trained with model=mlp, "
+         "which builds it; leave model= out"),
+        (None, ["model=nope"], "model=nope: no such option; allowed: mlp, gpt"),
+        (None, ["data=tokens"], "data=tokens: its keys (batch_size, num_samples, num_workers, "
+         "on_device, path, pin_memory, seq_len, vocab_size) are not the checkpoint's (batch_size, "
+         "num_classes, num_features, num_samples, num_workers, on_device, pin_memory)"),
+    ],
+)  # fmt: skip
+def test_options_that_cannot_be_the_checkpoints_are_one_line(
+    tmp_path, compose_train, run_here, options, args, message
+):
+    path = write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train)
+    if options is not None:
+        torch.save({**torch.load(path, weights_only=True), "options": options}, path)
+    code, out, err = run_here(tmp_path, "ckpt=run", *args)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"config error: {message}"), err
+    # the options it was trained with, named: scored where nothing else is wrong
+    code, out, err = run_here(tmp_path, "ckpt=run", "model=mlp", "data=synthetic")
+    assert code == (0 if options in (None, {"model": "mlp"}) else 2), err
 
 
 def test_held_out_data_is_never_trained_on(compose_train):

@@ -20,6 +20,7 @@ from conftest import (
     torchrun,
     train_command,
     worker_pid,
+    worker_pids,
 )
 
 from ddp_project import checkpoint
@@ -77,6 +78,7 @@ def test_separate_static_rendezvous_launches_get_separate_run_dirs(kept):
     assert len(runs) == 2 and all(RUN_NAME.fullmatch(name) for name in runs), runs
 
 
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_restarts_the_epoch(
     kept, tmp_path
 ):
@@ -96,12 +98,13 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_restarts_
 
 
 # Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
-# ends) lands in STOP_RECORDS/exit<rank>. With SLOW_RANK_1_INIT, rank 1 sleeps before
+# ends) lands in STOP_RECORDS/exit<rank>, and the CPU seconds it had used then in cpu<rank>. With SLOW_RANK_1_INIT, rank 1 sleeps before
 # init_process_group while rank 0 waits for it there, in C; with SLOW_RANK_1_RESUME, after
 # loading the checkpoint, while rank 0 waits in the exchange before the first step; with
 # SLOW_FIRST_STEP, every rank's first step takes 60 s, as torch.compile's may. Each marks
 # waiting<rank> on the way. With FAIL_SECOND_WRITE, rank 0's second checkpoint write fails as
-# on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more. With
+# on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more; with
+# HOLD_WRITES_UNTIL_STOP, each waits until a stop's save has begun (saving marks the first). With
 # PAUSE_RANK_1_AFTER_STEP, rank 1 marks paused1 once that step's checkpoint is written and sleeps.
 STOP_HOOK = """
 import errno, os, pathlib, time
@@ -111,6 +114,8 @@ if "RANK" in os.environ:
 
     def _recording_exit(code):
         if os.getpid() == _trainer:  # not a DataLoader worker, forked from it
+            used = os.times()
+            (_records / f"cpu{os.environ['RANK']}").write_text(str(used.user + used.system))
             (_records / f"exit{os.environ['RANK']}").write_text(str(code))
         _exit(code)
 
@@ -153,10 +158,34 @@ if "RANK" in os.environ:
         _save = torch.save
 
         def _slow_save(*args, **kwargs):
+            (_records / "saving").touch()
             time.sleep(float(os.environ["SLOW_SAVE_S"]))
             return _save(*args, **kwargs)
 
         torch.save = _slow_save
+    if os.environ.get("HOLD_WRITES_UNTIL_STOP"):
+        import io
+        import threading
+
+        import torch
+        from PACKAGE.checkpoint import Checkpointer
+        _save, _stop_save_began = torch.save, threading.Event()
+        _checkpoint_save = Checkpointer.save
+
+        def _held_save(obj, f, *args, **kwargs):
+            # Files only: torch's object collectives (broadcast_object_list) torch.save to memory.
+            if not isinstance(f, io.BytesIO):
+                (_records / "saving").touch()
+                _stop_save_began.wait(timeout=60)  # so a stop comes while this write is in flight
+                time.sleep(1)
+            return _save(obj, f, *args, **kwargs)
+
+        def _stop_save(self, step, **kwargs):
+            if kwargs.get("force"):
+                _stop_save_began.set()
+            return _checkpoint_save(self, step, **kwargs)
+
+        torch.save, Checkpointer.save = _held_save, _stop_save
     if os.environ.get("PAUSE_RANK_1_AFTER_STEP") and os.environ["RANK"] == "1":
         from PACKAGE.checkpoint import Checkpointer
         _checkpoint_save = Checkpointer.save
@@ -194,52 +223,94 @@ def stop_hook(tmp_path) -> tuple[dict, Path]:
     return env, records
 
 
-def signal_at_a_step_line(tmp_path, env, signum, after: str, *overrides) -> tuple[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used (all its threads), as os.times() tells the process itself."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class Stop:
+    """What a stop cost each rank of a launch, from the moment of the signal: CPU seconds (its
+    own clock, which a loaded machine does not stretch; training on for seconds, as the old pace
+    did after a resume, does), and seconds of wall time, bounded at 25 (a stop that waits on
+    something; the figure, around a second, is reported). A rank that did not end on its own
+    within torchrun's 30 s grace is SIGKILLed and leaves no exit record."""
+
+    def __init__(self, launcher: subprocess.Popen, records: Path) -> None:
+        self.records = records
+        self.cpu_at_signal = {
+            rank: cpu_seconds(pid) for rank, pid in worker_pids(launcher.pid).items()
+        }
+        self.signalled = time.monotonic()
+
+    def cpu_after(self) -> dict[int, float]:
+        return {rank: float((self.records / f"cpu{rank}").read_text()) - before
+                for rank, before in self.cpu_at_signal.items()}  # fmt: skip
+
+    def check(self, figure, code: int, output: str, wall_s: float) -> None:
+        assert sorted(self.cpu_at_signal) == [0, 1], output[-3000:]
+        assert [(self.records / f"exit{rank}").read_text() for rank in (0, 1)] == [str(code)] * 2
+        cpu = self.cpu_after()
+        figure(f"{wall_s:.1f} s from the signal to the end; CPU after it, per rank: "
+               + ", ".join(f"{seconds:.2f} s" for _, seconds in sorted(cpu.items())))  # fmt: skip
+        assert max(cpu.values()) < 3, (cpu, output[-3000:])
+        assert wall_s < 25, output[-3000:]
+
+
+def signal_at_a_step_line(tmp_path, env, signum, after: str, *overrides) -> tuple[str, float, Stop]:
     """Train in run/ until the first step line after a line holding `after`, send `signum` to
     the launch's process group (as Ctrl-C does; torchrun forwards it too), and wait for the end.
-    Returns the output and the seconds from the signal to its last line."""
+    Returns the output, the seconds from the signal to its last line, and the stop's costs."""
     command = train_command("hydra.run.dir=run", "trainer.log_every=5", "trainer.max_steps=100000000",
                             "trainer.checkpoint_every=100000", *overrides)  # fmt: skip
     process = subprocess.Popen(
         command, cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    lines, seen, signalled = [], False, None
+    lines, seen, stop = [], False, None
     try:
         for line in process.stdout:
             lines.append(line)
             last = time.monotonic()
             seen = seen or after in line
-            if signalled is None and seen and STEP_LINE.search(line):
+            if stop is None and seen and STEP_LINE.search(line):
+                stop = Stop(process, env_records(env))
                 os.killpg(process.pid, signum)
-                signalled = last
-        process.wait(timeout=60)
+        process.wait(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     output = "".join(lines)
-    assert signalled is not None, output[-3000:]
-    return output, last - signalled
+    assert stop is not None, output[-3000:]
+    return output, last - stop.signalled, stop
 
 
-def assert_stopped(output: str, seconds: float, records: Path, name: str, code: int) -> int:
-    """Every rank stopped with `code` within 5 s, after one line; the step it names."""
-    assert seconds < 5, output[-3000:]
+def env_records(env: dict) -> Path:
+    return Path(env["STOP_RECORDS"])
+
+
+def assert_stopped(output: str, seconds: float, stop: Stop, figure, name: str, code: int) -> int:
+    """Every rank stopped with `code` on its own, spending little CPU after the signal, after
+    one line; the step it names."""
+    stop.check(figure, code, output, seconds)
     stopped = re.findall(rf"{name}: stopped at step (\d+) with a checkpoint", output)
     assert len(stopped) == 1, output[-3000:]
-    assert [(records / f"exit{rank}").read_text() for rank in (0, 1)] == [str(code)] * 2
     assert "KeyboardInterrupt" not in output and output.count("Traceback") <= 1  # torchrun's
     assert "A collective failed" not in output and "failed too" not in output
     return int(stopped[0])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(tmp_path, stop_hook):
+def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(
+    tmp_path, stop_hook, figure
+):
     """SIGTERM (Kubernetes; torchrun forwards it) on a fresh run, after a resume, and Ctrl-C
-    after a second one: each within 5 s, one line, a checkpoint at the step named there, every
-    rank exiting 128 + the signal. The old pace counted the steps a checkpoint brought in as
-    just run: after a resume the stop came 5 to 30 s late, or torchrun's SIGKILL came first.
-    DataLoader workers, in the process group too, ignore both signals."""
+    after a second one: each at once (under 3 CPU-seconds after the signal), one line, a
+    checkpoint at the step named there, every rank exiting 128 + the signal. The old pace counted
+    the steps a checkpoint brought in as just run: after a resume the stop came 5 to 30 s of
+    training late, or torchrun's SIGKILL came first. DataLoader workers, in the process group
+    too, ignore both signals."""
     env, records = stop_hook
     run = tmp_path / "run"
     stops = []
@@ -250,19 +321,23 @@ def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(tmp_
         for record in records.iterdir():
             record.unlink()
         after = f"resumed from the checkpoint of step {stops[-1]} " if stops else ""
-        output, seconds = signal_at_a_step_line(tmp_path, env, signum, after, *overrides)
-        stops.append(assert_stopped(output, seconds, records, signum.name, 128 + signum))
+        output, seconds, stop = signal_at_a_step_line(tmp_path, env, signum, after, *overrides)
+        stops.append(assert_stopped(output, seconds, stop, figure, signum.name, 128 + signum))
         assert checkpoint.newest_readable(run)[1]["step"] == stops[-1], (resumes, output[-3000:])
     assert [p.name for p in checkpoint.checkpoint_paths(run)] == [f"step_{s:09d}.pt" for s in stops]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("slow", ["SLOW_RANK_1_INIT", "SLOW_RANK_1_RESUME", "SLOW_FIRST_STEP"])
-def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(tmp_path, stop_hook, slow):
+def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
+    tmp_path, stop_hook, slow, figure
+):
     """SIGTERM while rank 0 waits for rank 1 in C (Python runs no handler there): in
     init_process_group, or in the exchange before the first step, which fails as rank 1 ends;
     or while every rank runs its first step, as long as a compile of the model (issue 22) takes.
-    Nothing to save: every rank ends at once with 143, one line, and no remedy block."""
+    Nothing to save: every rank ends at once (on its own, the 60 s waits cut short, under 3
+    CPU-seconds after the signal) with 143, one line, and no remedy block."""
     env, records = stop_hook
     command = train_command("hydra.run.dir=run")
     process = subprocess.Popen(
@@ -275,19 +350,19 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(tmp_path, s
             assert process.poll() is None and time.monotonic() < deadline, "never got there"
             time.sleep(0.1)
         time.sleep(0.5)  # rank 0 waiting
+        stop = Stop(process, records)
         os.killpg(process.pid, signal.SIGTERM)
-        signalled = time.monotonic()
-        output, _ = process.communicate(timeout=60)
+        output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert time.monotonic() - signalled < 5, output[-3000:]
+    stop.check(figure, 143, output, time.monotonic() - stop.signalled)
     line = f"SIGTERM: stopped before the first step, nothing new to save; to go on, relaunch with hydra.run.dir={tmp_path / 'run'}"
     assert output.count("SIGTERM: stopped") == 1 and line in output, output[-3000:]
-    assert [(records / f"exit{rank}").read_text() for rank in (0, 1)] == ["143", "143"]
     assert output.count("Traceback") <= 1 and "A collective failed" not in output  # torchrun's
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_line(
     tmp_path, stop_hook
@@ -310,6 +385,48 @@ def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_li
     assert "exitcode  : 5" in output  # rank 0's: a checkpoint could not be written
     assert [p.name for p in checkpoint.checkpoint_paths(tmp_path / "run")] == ["step_000000010.pt"]
     assert not list((tmp_path / "run" / "checkpoints").glob(".partial-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_hook):
+    """SIGTERM while rank 0 writes step 200's checkpoint in the background (held until the
+    stop's save begins, then 1 s more), training going on meanwhile: the write in flight ends,
+    then the stop's checkpoint is written, both read back, nothing partial is left. (Writes
+    slower than the steps between checkpoints make each save wait for the last, and a stop then
+    waits for two writes and the steps to its step: a test of that raced torchrun's 30 s grace on
+    a loaded machine.)"""
+    env, records = stop_hook
+    command = train_command("hydra.run.dir=run", "trainer.log_every=1", "trainer.max_steps=100000000",
+                            "trainer.checkpoint_every=200", "trainer.val_every=0")  # no best.pt write  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **env, "HOLD_WRITES_UNTIL_STOP": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines, steps_during_write = [], 0
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if (records / "saving").exists() and STEP_LINE.search(line):
+                steps_during_write += 1
+                if steps_during_write == 3:  # training goes on while step 200 is written
+                    os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines)
+    stopped = re.findall(r"SIGTERM: stopped at step (\d+) with a checkpoint", output)
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0])
+    assert 200 < step < 400, output[-3000:]
+    assert "for the write of checkpoints/step_000000200.pt to finish" in output
+    run = tmp_path / "run"
+    paths = checkpoint.checkpoint_paths(run)
+    assert [p.name for p in paths] == ["step_000000200.pt", f"step_{step:09d}.pt"], output[-3000:]
+    assert [checkpoint.read(p)["step"] for p in paths] == [200, step]
+    assert not list((run / "checkpoints").glob(".partial-*"))
+    assert "Traceback" not in output.split("SIGTERM: stopped")[0][-2000:]
 
 
 def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monkeypatch, capsys):
@@ -338,9 +455,10 @@ def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monke
     assert (tmp_path / "run" / "config.yaml").read_text() == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_sigkilled_ends_the_launcher_promptly_and_resumes_match_an_uninterrupted_run(
-    kept, tmp_path, stop_hook
+    kept, tmp_path, stop_hook, figure
 ):
     """kept's run resumed from step 60 (mid epoch 0), rank 1 SIGKILLed once step 70's checkpoint
     (epoch 1) is written: the launcher ends promptly. A relaunch resumes from step 70 and ends
@@ -363,9 +481,11 @@ def test_a_rank_sigkilled_ends_the_launcher_promptly_and_resumes_match_an_uninte
     victim = worker_pid(process.pid, rank=1)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
-    output, _ = process.communicate(timeout=90)
+    output, _ = process.communicate(timeout=240)
+    seconds = time.monotonic() - killed_at
+    figure(f"{seconds:.1f} s from rank 1's SIGKILL to the launcher's end")
     assert process.returncode != 0
-    assert time.monotonic() - killed_at < 45, output[-3000:]
+    assert seconds < 150, output[-3000:]  # not dist.timeout_s's 180 s for rank 0 to give up
     assert "resumed from the checkpoint of step 60 (epoch 0, batch 60)" in output
     newest = checkpoint.newest_readable(run_dir)[1]["step"]
     assert newest == 70, output[-3000:]

@@ -10,6 +10,7 @@ import sys
 
 import conftest
 import pytest
+import torch
 from conftest import (
     PACKAGE,
     launch_command,
@@ -175,6 +176,44 @@ def test_an_accept_list_naming_no_key_is_refused(trained, monkeypatch, capsys):
     (line,) = said.splitlines()
     assert line.startswith(
         "config error: trainer.accept_changes: trainer.lrr is no key of the config"
+    )
+
+
+def test_a_resume_under_other_options_is_refused_naming_both(trained, monkeypatch, capsys):
+    before = snapshot(trained / "run")
+    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
+                                  "model=gpt", "data=tokens", "hydra.run.dir=run")  # fmt: skip
+    assert code == 2
+    assert said.splitlines() == [
+        "config error: data=tokens, model=gpt: the checkpoint in run (step_000000010.pt) was "
+        "trained with data=synthetic, model=mlp; resume with data=synthetic, model=mlp, add "
+        "trainer.accept_changes=[data,model] to switch, or choose another hydra.run.dir"
+    ]
+    # the workers refuse it too, when launched without the launcher
+    direct = train_alone(trained, "trainer.max_steps=20", "model=gpt", "data=tokens",
+                         "trainer.accept_changes=[data]", "hydra.run.dir=run")  # fmt: skip
+    assert direct.returncode != 0
+    assert (
+        "config error: model=gpt: the checkpoint in run (step_000000010.pt) was trained with "
+        "model=mlp; resume with model=mlp, add trainer.accept_changes=[model] to switch"
+        in direct.stderr
+    )
+    assert snapshot(trained / "run") == before
+
+
+def test_a_checkpoint_that_records_no_options_resumes_as_the_options_its_keys_fit(trained):
+    """Written before checkpoints recorded their options: model=mlp's and data=synthetic's keys
+    are no other option's."""
+    path = checkpoint.checkpoint_paths(trained / "run")[-1]
+    state = checkpoint.read(path)
+    assert state.pop("options") == {"data": "synthetic", "model": "mlp"}
+    torch.save(state, path)
+    same = check.compose_and_check(["trainer.max_steps=20"])
+    assert rundir.resume_problem(trained / "run", same) is None
+    other = check.compose_and_check(["trainer.max_steps=20", "model=gpt", "data=tokens"])
+    assert rundir.resume_problem(trained / "run", other).startswith(
+        f"data=tokens, model=gpt: the checkpoint in {trained / 'run'} (step_000000010.pt) was "
+        "trained with data=synthetic, model=mlp; "
     )
 
 
@@ -461,7 +500,7 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
         "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",
         "dist.backend", "dist.bucket_cap_mb", "dist.checkpoint_timeout_s", "dist.gate_timeout_s",
         "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "dist.timeout_s", "logger.",
-        "nccl.", "trainer.accept_changes", "trainer.checkpoint_every", "trainer.keep_best",
+        "nccl.", "trainer.accept_changes", "trainer.async_checkpoint", "trainer.checkpoint_every", "trainer.keep_best",
         "trainer.keep_checkpoints", "trainer.log_every", "trainer.max_steps", "trainer.on_nonfinite",
         "trainer.val_batches", "trainer.val_every",
     ]  # fmt: skip

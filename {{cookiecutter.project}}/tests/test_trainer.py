@@ -159,7 +159,7 @@ def test_a_run_stopped_mid_decay_resumes_to_the_weights_of_one_never_stopped(tra
 def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeypatch):
     """Window.close all-reduces its sums: rank 0 logs the mean over every rank's samples, and a
     non-finite loss on any rank stops them all at the same step."""
-    other_rank = {"loss": 30.0, "correct": 7.0, "nonfinite": 0.0}  # its sums for the window
+    other_rank = {"loss": 30.0, "correct": 7.0, "nonfinite": 0.0, "failed_write": 0.0}  # its sums
 
     def all_reduce(tensor, *args, **kwargs):  # the other rank's share arrives
         tensor += torch.tensor(list(other_rank.values()))
@@ -172,10 +172,15 @@ def test_a_log_window_sums_over_every_rank_and_all_stop_on_one_ranks_nan(monkeyp
     totals = window.close(step=1, world=two)
     assert totals["loss"] == pytest.approx((10.0 + 30.0) / (10 * 2))
     assert totals["accuracy"] == pytest.approx((3 + 7) / (4 * 2))
-    other_rank["loss"] = math.nan
+    assert totals["failed_write"] is False
+    # rank 0's background checkpoint write failed: every rank hears of it in the same sum
+    other_rank["failed_write"] = 1.0
     window.add(torch.tensor(1.0), samples=10, grad_norm=None)
-    with pytest.raises(Diverged, match="step 2: the loss is not finite"):
-        window.close(step=2, world=two)
+    assert window.close(step=2, world=two)["failed_write"] is True
+    other_rank["loss"], other_rank["failed_write"] = math.nan, 0.0
+    window.add(torch.tensor(1.0), samples=10, grad_norm=None)
+    with pytest.raises(Diverged, match="step 3: the loss is not finite"):
+        window.close(step=3, world=two)
 
 
 def test_a_non_finite_gradient_norm_stops_even_when_the_loss_is_finite():

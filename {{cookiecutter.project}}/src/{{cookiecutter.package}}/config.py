@@ -242,6 +242,7 @@ class TrainerConfig:
     precision: Precision = MISSING
     checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    async_checkpoint: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     val_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     val_batches: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
@@ -429,8 +430,10 @@ def register_configs() -> None:
     """Make the schemas and resolvers known to Hydra; call before Hydra composes."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    # Groups whose options differ in shape: each option's YAML names its schema in `defaults`.
+    # Groups whose options differ in shape: each option's YAML names its schema in `defaults`,
+    # from the root (`- /mlp_schema`). Stored in the group, a schema would be one of its options:
+    # listed by --help, tab completion and every "allowed:", and model=mlp_schema accepted.
     for stored in stored_options():
-        store.store(group=stored.group, name=stored.stored_as, node=stored.schema)
+        store.store(name=stored.stored_as, node=stored.schema)
     OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)

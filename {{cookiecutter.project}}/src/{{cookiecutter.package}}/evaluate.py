@@ -5,8 +5,10 @@
     python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.pt data.batch_size=512
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.evaluate ckpt=latest
 
-The model and data are the checkpoint's own (its config); overrides may change how the data is
-read (batch size, workers, backend), not what it is. Each process scores its shard; the loss and
+The model and data are the checkpoint's own (its config, and the options it records: model=mlp,
+data=synthetic); overrides may change how the data is read (batch size, workers, backend), not
+what it is. A checkpoint written before checkpoints recorded their options, whose keys fit two
+options, needs model=<name> (or data=<name>) to say which. Each process scores its shard; the loss and
 accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one printed line.
 """
 
@@ -30,6 +32,7 @@ from .config_error import ConfigError, require
 from .data import build_dataset
 from .exits import Exit
 from .model import build_model
+from .registry import stored_groups
 from .trainer import autocast_for
 from .validate import from_saved
 from .world import World
@@ -39,6 +42,7 @@ ADJUSTABLE = marked_keys(EVALUATE_SETS)  # the rest comes from the checkpoint's 
 NEEDED = ("step", "model", "config")  # what scoring reads from a checkpoint
 ZIP = b"PK\x03\x04"  # torch.save's format: a zip archive
 USAGE = "write ckpt=<file|run dir|latest> or key=value"
+HELP = ("-h", "--help")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -115,7 +119,9 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
     if ckpt == "latest":
         try:
             runs = (
-                sorted((p for p in outputs.iterdir() if p.is_dir()), reverse=True)
+                sorted(  # not .compile-cache (compilation.keep_caches_in): no run
+                    (p for p in outputs.iterdir() if p.is_dir() and p.name[:1] != "."), reverse=True
+                )
                 if outputs.is_dir()
                 else []
             )
@@ -147,21 +153,24 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
     return found, state, note
 
 
-def parse(args: list[str]) -> tuple[str, list[str]]:
-    ckpt, overrides = "latest", []
+def parse(args: list[str]) -> tuple[str, list[str], dict[str, str]]:
+    """ckpt, the overrides, and the options named (model=<name>: validate.saved_option)."""
+    ckpt, overrides, told = "latest", [], {}
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ConfigError(f"{arg}: {USAGE}")
         if key == "ckpt":
             ckpt = value
+        elif key in stored_groups():
+            told[key] = value
         elif key in ADJUSTABLE:
             overrides.append(arg)
         else:
             raise ConfigError(
                 f"{key}: the checkpoint's config decides it; an evaluation may set {', '.join(ADJUSTABLE)}"
             )
-    return ckpt, overrides
+    return ckpt, overrides, told
 
 
 def held_out(cfg: TrainConfig, world: World, batch_given: bool) -> Dataset:
@@ -183,12 +192,19 @@ def held_out(cfg: TrainConfig, world: World, batch_given: bool) -> Dataset:
     return data
 
 
-def evaluate(path: Path, state: dict[str, Any], overrides: list[str], world: World) -> dict:
-    if not isinstance(state["config"], dict):
-        raise ConfigError(
-            f"ckpt={path}: its config is a {type(state['config']).__name__}, not a dict"
-        )
-    cfg = from_saved(state["config"], overrides, held_out=True)
+def evaluate(
+    path: Path,
+    state: dict[str, Any],
+    overrides: list[str],
+    world: World,
+    told: dict[str, str] | None = None,
+) -> dict:
+    """Score the checkpoint `state` (read from `path`); `told`: the options the user named."""
+    recorded = state.get("options")  # none in a checkpoint written before they were recorded
+    for key, value in (("config", state["config"]), ("options", recorded or {})):
+        if not isinstance(value, dict):
+            raise ConfigError(f"ckpt={path}: its {key!r} is a {type(value).__name__}, not a dict")
+    cfg = from_saved(state["config"], overrides, held_out=True, recorded=recorded, told=told)
     data = held_out(
         cfg, world, batch_given=any(o.startswith("data.batch_size=") for o in overrides)
     )
@@ -240,14 +256,24 @@ def save(result: dict, out: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
+def usage() -> str:
+    return (
+        f"usage: python -m {__package__}.evaluate [ckpt=<file|run dir|latest>] [key=value ...]\n\n"
+        f"{__doc__.strip()}\n\nkey=value may set: {', '.join(ADJUSTABLE)}"
+    )
+
+
 def main() -> int:
+    if any(arg in HELP for arg in sys.argv[1:]):  # before anything is read: no overrides, no files
+        print(usage())
+        return Exit.OK
     world = World.from_env()
     try:
-        ckpt, overrides = parse(sys.argv[1:])
+        ckpt, overrides, told = parse(sys.argv[1:])
         path, state, note = find_checkpoint(ckpt)
         if note and world.local_rank == 0:
             print(note, file=sys.stderr)
-        result = evaluate(path, state, overrides, world)
+        result = evaluate(path, state, overrides, world, told)
     except (ConfigError, checkpoint.Incompatible) as err:
         if world.local_rank == 0:
             print(f"config error: {err}", file=sys.stderr)

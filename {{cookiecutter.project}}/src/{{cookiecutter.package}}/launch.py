@@ -24,9 +24,13 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import PROJECT
 from .exits import Exit, for_signal
@@ -38,6 +42,25 @@ def stopped_while_starting(signum: int, frame: object) -> NoReturn:
     os._exit(for_signal(signum))
 
 
+def timer_joined_from_itself(unraisable: Any) -> None:
+    """sys.unraisablehook for the command. torch's rendezvous keep-alive timer (elastic/rendezvous/
+    utils.py, _PeriodicTimer) joins its thread in a finalizer, and Python may run that finalizer
+    in the timer's own thread, when the rendezvous handler it serves goes in that thread's last
+    call: a launch stopped while its workers start then ends in an ignored "cannot join current
+    thread" traceback after its one line. The thread is ending anyway; anything else is Python's
+    to print."""
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    if not (
+        isinstance(unraisable.exc_value, RuntimeError)
+        and str(unraisable.exc_value) == "cannot join current thread"
+        and any(f.name == "_stop_thread" and f.filename.endswith(TIMER_SOURCE) for f in frames)
+    ):
+        sys.__unraisablehook__(unraisable)
+
+
+TIMER_SOURCE = os.path.join("elastic", "rendezvous", "utils.py")
+
+
 # c10d's store client logs each failed try to reach the rendezvous with a C++ stack, dozens of
 # lines a try, in the launcher, whose one line names the cause. Torch reads the level as it loads;
 # the workers start with the environment as it was.
@@ -45,6 +68,7 @@ QUIET_CPP_LOG = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if __name__ == "__main__" or Path(sys.argv[0]).name == PROJECT:  # the command, not an import
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stopped_while_starting)
+    sys.unraisablehook = timer_joined_from_itself
     if QUIET_CPP_LOG:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
 
@@ -63,7 +87,7 @@ from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser, run
 
 from . import check, rundir
-from .oom import MemoryWatch
+from .oom import MemoryWatch, children
 from .overrides import exit_with_error
 from .run_dir_plan import explicit_run_dir, new_part, of_value, planned_run_dir, remove_empty
 from .torchrun_args import (
@@ -76,8 +100,8 @@ from .torchrun_args import (
     processes,
     split,
 )
-from .worker_exits import SAID_ALREADY, SaidBelow, summary
-from .world import RUN_NAME_VAR, run_name_for
+from .worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, SaidBelow, summary
+from .world import LAUNCHED_AT_VAR, RUN_NAME_VAR, launched_at, run_name_for
 
 PACKAGE = __package__
 COMMAND = PROJECT
@@ -120,10 +144,76 @@ def stop(signum: int, frame: object) -> NoReturn:
     raise Stopped(signum)
 
 
-def main(argv: list[str] | None = None) -> int:
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # until torchrun's handlers take over
+def hear_stops() -> None:
+    """Until torchrun's handlers take over: SIGTERM and SIGHUP raise Stopped, SIGINT
+    KeyboardInterrupt."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def ignore_stops() -> None:
+    """torchrun has returned or raised: how the launch ends is known and about to be said. A
+    second signal (Ctrl-C pressed twice) would raise through that, torchrun's handlers still
+    being in place."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+# What a worker process starts with blocked (a signal mask survives exec), until train.py's
+# first lines take them: a stop that torchrun passes on while a worker's interpreter starts
+# would raise KeyboardInterrupt in its site or runpy, a traceback. Pending, they come at once.
+HELD_FOR_WORKERS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextmanager
+def stops_held_for_workers() -> Iterator[None]:
+    """This thread, which starts the workers, blocks HELD_FOR_WORKERS; a thread of its own that
+    does not hears them for this process (the kernel gives a process's signal to any thread not
+    blocking it), and Python runs their handlers in this thread as ever."""
+    done = threading.Event()
+    hearing = threading.Thread(target=done.wait, name="hears-stops", daemon=True)
+    hearing.start()  # before the block: a thread starts with its maker's mask
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_FOR_WORKERS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        done.set()
+
+
+# torchrun's wait for its workers to end on a stop signal, before it SIGKILLs them.
+WORKERS_END_S = 30
+
+
+def end_lost_workers(signum: int) -> None:
+    """Workers torchrun lost track of: a stop signal raised in it while it started them (a
+    worker's Popen made, not yet recorded) leaves them unknown to its shutdown, running on to a
+    traceback once this process is gone. They get the signal as torchrun sends it, then
+    SIGKILL after WORKERS_END_S. The workers torchrun knew of have ended by now."""
+    left = children(os.getpid())
+    for pid in left:
+        with suppress(OSError):  # each leads a session of its own, as torchrun starts them
+            os.killpg(pid, signum)
+    deadline = time.monotonic() + WORKERS_END_S
+    while left := {pid for pid in left if not ended(pid)}:
+        if time.monotonic() > deadline:
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def ended(pid: int) -> bool:
+    """Whether a child process has ended (reaping it)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    hear_stops()
+    os.environ.setdefault(LAUNCHED_AT_VAR, repr(launched_at()))  # this process's start
     try:
         return launch(sys.argv[1:] if argv is None else argv)
     except (KeyboardInterrupt, Stopped) as err:  # a stop before the run dir is known
@@ -133,12 +223,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(args: list[str]) -> int:
+    usage = f"usage: {COMMAND} train [torchrun options] [overrides]"
     if args[:1] != ["train"]:
-        print(f"usage: {COMMAND} train [torchrun options] [overrides]  (see --help of train)",
-              file=sys.stderr)  # fmt: skip
-        return Exit.CONFIG_ERROR if args[:1] not in (["-h"], ["--help"]) else Exit.OK
+        asked = args[:1] in (["-h"], ["--help"])
+        print(f"{usage}  (see --help of train)", file=sys.stdout if asked else sys.stderr)
+        return Exit.OK if asked else Exit.CONFIG_ERROR
     if args[1:2] in (["-h"], ["--help"]):
-        print(__doc__)
+        print(f"{usage}\n\n{__doc__.strip()}")
         return Exit.OK
     parser = get_args_parser()
     parser.error = parse_error  # type: ignore[method-assign]
@@ -176,7 +267,8 @@ def launch(args: list[str]) -> int:
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
         del os.environ[name]
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(SaidBelow())
+    for name in TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(SaidBelow())
 
     def stopped(name: str) -> str:
         """The stop's line; a run dir this launch made and left with nothing of value goes."""
@@ -191,11 +283,14 @@ def launch(args: list[str]) -> int:
     def say(line: str) -> None:
         print(f"{COMMAND} train{line}", file=sys.stderr, flush=True)
 
-    with MemoryWatch(config, local_size) as memory:
+    with MemoryWatch(config, local_size) as memory, stops_held_for_workers():
         while True:
             seen = set(memory.last)
             try:
-                run(parsed)
+                try:
+                    run(parsed)
+                finally:
+                    ignore_stops()
             except RendezvousConnectionError as err:
                 # The store lives in pod 0's torchrun. Once this node has trained with it, losing
                 # it means pod 0 was lost (preempted, evicted): its controller starts a
@@ -207,6 +302,7 @@ def launch(args: list[str]) -> int:
                 seconds = rendezvous_timeout(parsed, "read_timeout")
                 say(f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
                     f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s")  # fmt: skip
+                hear_stops()
             except RendezvousError as err:
                 say(f": {rendezvous_problem(parsed, err)}")
                 return Exit.FAILED
@@ -219,6 +315,7 @@ def launch(args: list[str]) -> int:
                 return code
             except (SignalException, Stopped, KeyboardInterrupt) as err:
                 name = "SIGINT" if isinstance(err, KeyboardInterrupt) else err.sigval.name
+                end_lost_workers(signal.Signals[name])
                 say(f": {stopped(name)}")
                 return for_signal(signal.Signals[name])
             else:

@@ -55,6 +55,7 @@ TAGS = {
     "val_loss": "val/loss",
     "val_accuracy": "val/accuracy",
     "val_time_s": "perf/val_time_s",
+    "checkpoint_s": "perf/checkpoint_s",
 }
 PROBE_S = 5  # how long check waits for a tracking server to accept a connection
 

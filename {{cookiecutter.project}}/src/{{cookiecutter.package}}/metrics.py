@@ -31,6 +31,9 @@ COLUMNS = [
     # on the held-out data, at the steps trainer.val_every names (empty at the others); how long
     # scoring it took (left out of samples_per_s and step_time_ms)
     "val_loss", "val_accuracy", "val_time_s",
+    # what checkpoints held training up in the window (a snapshot, or a wait for the last write),
+    # left out of samples_per_s and step_time_ms
+    "checkpoint_s",
 ]  # fmt: skip
 
 

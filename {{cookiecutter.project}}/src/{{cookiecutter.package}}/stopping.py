@@ -50,6 +50,7 @@ class StopSignals:
         self.settled = False  # the steps ended with a signal known: their caller stops
         self.run_dir: Path | None = None  # named in the line, once known
         self.main = True  # whether this process prints the line (global rank 0)
+        self.launched = False  # under torchrun, whose launcher says a stop before logging is set up
         self.previous: dict[int, Any] | None = None
         self.previous_wakeup = -1
         self.writer: socket.socket | None = None
@@ -68,7 +69,7 @@ class StopSignals:
     def exit_code(self) -> int:
         return for_signal(self.signum or signal.SIGTERM)
 
-    def install(self, main: bool = True) -> bool:
+    def install(self, main: bool = True, launched: bool = False) -> bool:
         """Take SIGTERM and SIGINT (main thread only). False if they were taken already."""
         if self.previous is not None:
             return False
@@ -76,7 +77,7 @@ class StopSignals:
         self.writer.setblocking(False)
         self.previous_wakeup = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
         self.previous = {signum: signal.signal(signum, self.handle) for signum in STOP_SIGNALS}
-        self.main = main
+        self.main, self.launched = main, launched
         watcher = threading.Thread(target=self.watch, args=(reader,), name="stop-signals")
         watcher.daemon = True
         watcher.start()
@@ -120,10 +121,12 @@ class StopSignals:
             os._exit(self.exit_code)
 
     def say(self, line: str) -> None:
-        """Rank 0's one line about the stop; once, whoever says it first."""
+        """Rank 0's one line about the stop; once, whoever says it first. Before Hydra has set
+        up logging (it composes first), a worker under torchrun says nothing: logging's last
+        resort would print the line on stderr beside the launcher's own."""
         with self.lock:
             said, self.said = self.said, True
-        if self.main and not said:
+        if self.main and not said and (log.hasHandlers() or not self.launched):
             log.warning(line)
 
     def adopt(self, signum: int) -> bool:

@@ -33,13 +33,15 @@ from .config import OnNonFinite, Precision, Schedule, TrainConfig
 from .data import build_dataset, build_loader, epoch_batches
 from .failfast import NO_WATCHDOG, Heartbeat
 from .model import build_model
+from .registry import chosen
 from .stopping import Preemption
-from .world import World
+from .world import World, launched_at
 
 log = logging.getLogger(__name__)
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
 UNVALIDATED = {"val_loss": None, "val_accuracy": None, "val_time_s": None}  # a row's, without
+LOST = ("start-up", "first step", "checkpoints", "validation")  # goodput's account, by cause
 
 
 def autocast_for(device: torch.device, precision: Precision) -> partial[torch.autocast]:
@@ -53,12 +55,21 @@ class Window:
     all-reduce per window, none per step."""
 
     def __init__(self, device: torch.device, step: int) -> None:
-        self.sums = torch.zeros(3, device=device)  # one tensor: one all-reduce
-        self.loss_sum, self.correct, self.nonfinite_norms = self.sums.unbind()  # views into it
+        self.sums = torch.zeros(4, device=device)  # one tensor: one all-reduce
+        # views into it; failed_write: rank 0's background checkpoint write failed (1) or not
+        self.loss_sum, self.correct, self.nonfinite_norms, self.failed_write = self.sums.unbind()
         self.samples = self.predictions = 0  # per rank; every rank sees as many
         self.grad_norm: torch.Tensor | None = None  # the last step's
         self.lr = math.nan  # the last step's
         self.start_step, self.started = step, time.perf_counter()
+        self.aside_s, self.aside_steps = 0.0, 0  # time and steps not the steps' own
+        self.checkpoint_s = 0.0  # of aside_s: waiting for checkpoints
+
+    def set_aside(self, seconds: float, steps: int = 0) -> None:
+        """Time spent other than stepping (scoring, checkpoints; with `steps`, the first step's
+        compiling): left out of the window's step time."""
+        self.aside_s += seconds
+        self.aside_steps += steps
 
     def add(self, step_loss: torch.Tensor, samples: int, grad_norm: torch.Tensor | None) -> None:
         """A step's mean loss over its samples, and its gradient norm if one was computed."""
@@ -78,8 +89,11 @@ class Window:
         window."""
         if world.size > 1:
             dist.all_reduce(self.sums)
-        loss_sum, correct, nonfinite = self.sums.tolist()  # the window's one sync
-        elapsed = time.perf_counter() - self.started
+        loss_sum, correct, nonfinite, failed_write = self.sums.tolist()  # the window's one sync
+        elapsed, steps = time.perf_counter() - self.started, step - self.start_step
+        stepped = steps > self.aside_steps  # else the first step is all there is: figures of it
+        if stepped:
+            elapsed, steps = elapsed - self.aside_s, steps - self.aside_steps
         if self.samples == 0:
             raise Diverged(step, "the gradient norm of every step since the last log line")
         if nonfinite:
@@ -91,13 +105,18 @@ class Window:
             "accuracy": correct / max(1, self.predictions * world.size),
             "grad_norm": None if self.grad_norm is None else self.grad_norm.item(),
             "lr": self.lr,
-            "samples_per_s": self.samples * world.size / elapsed,
-            "step_time_ms": elapsed / (step - self.start_step) * 1e3,
+            # every step has as many samples: those of the steps set aside go with them
+            "samples_per_s": self.samples * steps / (step - self.start_step) * world.size / elapsed,
+            "step_time_ms": elapsed / steps * 1e3,
+            "checkpoint_s": self.checkpoint_s,
+            "failed_write": bool(failed_write),  # not a column: the Trainer acts on it
+            "stepping_s": elapsed if stepped else 0.0,  # not a column: goodput's
         }
         self.sums.zero_()
         self.samples = self.predictions = 0
         self.grad_norm = None
         self.start_step, self.started = step, time.perf_counter()
+        self.aside_s, self.aside_steps, self.checkpoint_s = 0.0, 0, 0.0
         return totals
 
 
@@ -123,6 +142,10 @@ class Trainer:
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
         self.compiled = compilation.compiles(cfg, device)
+        if self.compiled:
+            cache = compilation.keep_caches_in(run_dir)
+            if cache and world.main:
+                log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
         if cfg.trainer.compile and not self.compiled and world.main:
             log.info(
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
@@ -161,7 +184,9 @@ class Trainer:
                 "data": self.progress,
             },
             config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
+            options=chosen(cfg),
             watchdog=watchdog,
+            asynchronous=cfg.trainer.async_checkpoint,
         )
         self.preemption = Preemption(control, world)  # the step a stop signal ends the run at
         self.window = Window(device, step=0)
@@ -174,6 +199,10 @@ class Trainer:
         self.peak_flops = (
             perf.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
+        self.launched_at = launched_at()
+        self.lost = dict.fromkeys(LOST, 0.0)  # seconds of this launch the steps did not use
+        self.stepping_s = 0.0  # seconds of this launch spent in steps (the first one's aside)
+        self.steps_done = 0  # by this launch
 
     def train(self) -> bool:
         """Train to trainer.max_steps from the newest checkpoint (resume() first, unless called
@@ -183,13 +212,19 @@ class Trainer:
             self.resume()
         try:
             stopped = self.run_steps()
+            stalled = self.checkpointer.stalled_s
+            self.checkpointer.settle()  # the last checkpoint reads back, or every rank hears why
+            self.lost["checkpoints"] += self.checkpointer.stalled_s - stalled
         except (Diverged, CheckpointFailed):
+            self.checkpointer.drain()  # a write in progress holds a good state: it ends
             self.preemption.close()  # every rank stops at the same step: the exchange ends
             raise
         except BaseException:
+            self.checkpointer.drain()
             self.preemption.close(wait=False)  # a peer may never answer it
             raise
         self.preemption.close()
+        self.report_goodput()
         return stopped
 
     def run_steps(self) -> bool:
@@ -217,6 +252,7 @@ class Trainer:
                 record.write(pending)
 
         first = True
+        self.lost["start-up"] = time.time() - self.launched_at
         with record:  # on an error or a stop too: the bar stops and the files close
             try:
                 while self.progress.step < max_steps:
@@ -226,10 +262,12 @@ class Trainer:
                     with preemption.signals.undeferred() if first else nullcontext():
                         self.step([next(batches) for _ in range(accumulation)], log_now)
                     write_row()  # the file and logger work overlaps this step on the GPU
-                    if first and self.compiled:
-                        self.report_compile(started)
+                    if first:
+                        self.set_aside_first_step(started)
+                        self.checkpointer.prepare()
                     first = False
                     self.progress.step = step
+                    self.steps_done += 1
                     self.watchdog.beat()
                     record.step(step)
                     stop, score = False, None
@@ -244,10 +282,14 @@ class Trainer:
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
                     stop = stop or preemption.agreed(step)  # every rank: the same step, or none
+                    stalled = self.checkpointer.stalled_s
                     written = self.checkpointer.save(step, last_step=step == max_steps, force=stop,
                                                      val_loss=score and score.loss)  # fmt: skip
                     if score:
                         self.checkpointer.save_best(step, score.loss, written)
+                    if stop:
+                        self.checkpointer.settle()  # the stop's checkpoint reads back first
+                    self.set_aside_checkpoint(self.checkpointer.stalled_s - stalled)
                     if stop:
                         write_row()
                         self.report_stop(step)
@@ -256,14 +298,46 @@ class Trainer:
                 write_row()  # the step after it failed: the window's figures stand
         return False
 
-    def report_compile(self, started: float) -> None:
-        """After the first step, which compiled the model: how long it took, and from here on
-        the graphs that torch.compile makes are news."""
+    def set_aside_first_step(self, started: float) -> None:
+        """The first step of a launch (compiling the model, warming up the GPU) is no measure
+        of the steps: left out of the window's figures, into goodput's account. With
+        torch.compile: how long it took, and from here on the graphs it makes are news."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         took = time.perf_counter() - started
-        log.info("torch.compile: the first step took %.1f s (compiling the model)", took)
-        self.recompiles.start()
+        self.window.set_aside(took, steps=1)
+        self.lost["first step"] += took
+        if self.compiled:
+            log.info("torch.compile: the first step took %.1f s (compiling the model)", took)
+            self.recompiles.start()
+
+    def set_aside_checkpoint(self, seconds: float) -> None:
+        if seconds:
+            self.window.set_aside(seconds)
+            self.window.checkpoint_s += seconds
+            self.lost["checkpoints"] += seconds
+
+    def report_goodput(self) -> None:
+        """The launch's goodput: the share of the wall time since launch spent in steps, and its
+        effective MFU (the steps' MFU times that share), with where the rest went."""
+        wall = time.time() - self.launched_at
+        if not (self.world.main and self.steps_done and wall > 0):
+            return
+        goodput = self.stepping_s / wall
+        accounted = sum(self.lost.values())
+        spent = ", ".join(f"{cause} {s:.1f} s" for cause, s in self.lost.items() if s >= 0.05)
+        other = wall - self.stepping_s - accounted
+        line = (
+            f"goodput {goodput:.2f}: {self.stepping_s:.1f} s of steps in {wall:.1f} s since "
+            f"launch ({spent}{', other' if spent else 'other'} {max(0.0, other):.1f} s)"
+        )
+        if self.flops_per_token and self.peak_flops:
+            trainer, data = self.cfg.trainer, self.cfg.data
+            tokens = (self.steps_done * trainer.grad_accumulation * data.batch_size
+                      * self.world.size * self.tokens_per_sample)  # fmt: skip
+            mfu = perf.mfu(tokens / wall, self.flops_per_token, self.world.size, self.peak_flops)
+            line += f"; effective MFU {mfu:.3f}"
+        log.info("%s", line)
 
     def resume(self) -> None:
         """Load the newest checkpoint, if there is one; Incompatible if it does not fit."""
@@ -395,7 +469,8 @@ class Trainer:
             self.cut_short = step
             return None
         seconds = time.perf_counter() - started
-        self.window.started += seconds  # the next window's figures are the steps'
+        self.window.set_aside(seconds)  # the next window's figures are the steps'
+        self.lost["validation"] += seconds
         row |= {"val_loss": result.loss, "val_accuracy": result.accuracy, "val_time_s": seconds}
         return result
 
@@ -404,7 +479,12 @@ class Trainer:
         comm_share = (
             self.comm_timer.share() if self.comm_timer else None if self.world.size > 1 else 0.0
         )
+        if self.world.main:
+            self.window.failed_write.fill_(float(self.checkpointer.failed()))
         totals = self.window.close(step, self.world)
+        if totals.pop("failed_write"):
+            self.checkpointer.settle()  # every rank: rank 0's cause, as CheckpointFailed
+        self.stepping_s += totals.pop("stepping_s")
         recompiled = self.recompiles.news() if self.compiled else None
         if recompiled and self.world.main:
             log.warning("step %d: %s", step, recompiled)

@@ -49,6 +49,22 @@ class World:
 
 
 RUN_NAME_VAR = "DDP_RUN_NAME"  # the launcher names the run for its workers
+LAUNCHED_AT_VAR = "DDP_LAUNCHED_AT"  # when the launcher started (time.time()), for goodput
+
+
+def launched_at(env: Mapping[str, str] = os.environ) -> float:
+    """When this launch began: the launcher's start, else this process's (Linux's /proc), else
+    now. Goodput counts from here: a launch's start-up is time the GPU does not train."""
+    try:
+        return float(env[LAUNCHED_AT_VAR])
+    except (KeyError, ValueError):
+        pass
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def run_name_for(started: float, ident: str) -> str:
