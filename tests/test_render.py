@@ -87,6 +87,7 @@ EXPECTED_FILES = {
     "src/{package}/evaluate.py",
     "src/{package}/exits.py",
     "src/{package}/failfast.py",
+    "src/{package}/global_batch.py",
     "src/{package}/k8s/__init__.py",
     "src/{package}/k8s/__main__.py",
     "src/{package}/k8s/apply.py",

@@ -236,8 +236,8 @@ def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     problem = config_problem(["data.num_samples=200"])
     assert problem == (
-        "data.batch_size=128: each of 2 process(es) gets 100 of the 200 training samples of data.num_samples=200; "
-        "use a batch size of at most 100"
+        "data.batch_size=128: each optimizer step takes 2 process(es) × 128 × trainer.grad_accumulation 1 = 256 of "
+        "the 200 training samples of data.num_samples=200; use a batch size of at most 100"
     )
 
 
@@ -471,7 +471,11 @@ def test_k8s_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
     [
         ("0", "error: --nproc-per-node=0: must be at least 1"),
         ("-1", "error: --nproc-per-node=-1: must be at least 1"),
-        ("4", "config error: data.batch_size=128: each of 4 process(es) gets 75 of the 300"),
+        (
+            "4",
+            "config error: data.batch_size=128: each optimizer step takes 4 process(es) × 128 × "
+            "trainer.grad_accumulation 1 = 512 of the 300 training samples",
+        ),
     ],
 )
 def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):

@@ -108,6 +108,14 @@ def test_progress_round_trips_through_its_state():
     restored = Progress()
     restored.load_state_dict(progress.state_dict())
     assert restored == progress and checkpoint.step_of(checkpoint.Path("step_000000042.pt")) == 42
+    assert progress.state_dict() == {"step": 7, "epoch": 2, "samples_in_epoch": 5}
+
+
+def test_progress_from_before_samples_in_epoch_keeps_its_batches_for_the_trainer_to_convert():
+    """Such a checkpoint counted each rank's batches; the Trainer knows the figures to convert."""
+    restored = Progress()
+    restored.load_state_dict({"step": 80, "epoch": 1, "batch_in_epoch": 16})
+    assert (restored.step, restored.epoch, restored.batches_in_epoch) == (80, 1, 16)
 
 
 class FullDisk:

@@ -7,12 +7,14 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import torch
 from conftest import PACKAGE
 
 from ddp_project import token_files, validate
 from ddp_project.check import compose_and_check, config_problem
 from ddp_project.config_error import ConfigError
-from ddp_project.data import prepare
+from ddp_project.data import StepBatches, prepare
+from ddp_project.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from ddp_project.validate import check_data
 from ddp_project.world import World
 
@@ -149,7 +151,9 @@ def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
 def test_evaluation_checks_the_held_out_samples_not_a_training_batch(monkeypatch):
     cfg = compose_and_check(["data.num_samples=1000"])
     cfg.data.batch_size = 100000  # more than training has: fine for evaluation's short last batch
-    with pytest.raises(ConfigError, match="data.batch_size=100000: each of 1 process"):
+    with pytest.raises(
+        ConfigError, match="data.batch_size=100000: each optimizer step takes 1 process"
+    ):
         check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1))
     check_data(cfg, World(rank=0, local_rank=0, size=1, local_size=1), held_out=True)
     with pytest.raises(ConfigError) as refused:
@@ -227,3 +231,93 @@ def test_the_data_command_refuses_bad_arguments_in_one_line(
     assert data.main() == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(message) and (tmp_path / "t.txt").read_text() == "text"
+
+
+def step_samples(size, batch, accumulation, processes, epoch=0, start=0):
+    """Each optimizer step's samples over every rank, as StepBatches hands them out."""
+    ranks = []
+    for rank in range(processes):
+        batches = StepBatches(size, batch, accumulation, World(rank=rank, size=processes), seed=3)
+        batches.set_position(epoch, start)
+        ranks.append(list(batches))
+        assert len(batches) == len(ranks[-1])
+    steps = len(ranks[0]) // accumulation
+    return [
+        sorted(
+            i for rank in ranks for b in rank[s * accumulation : (s + 1) * accumulation] for i in b
+        )
+        for s in range(steps)
+    ]
+
+
+def test_a_steps_samples_do_not_depend_on_the_world_size():
+    """The global batch (processes × batch × accumulation) alone decides them: 4 × 8 × 1,
+    2 × 8 × 2 and 1 × 8 × 4 take the same 32 samples at each step, none twice in an epoch."""
+    four = step_samples(100, 8, 1, 4)
+    assert len(four) == 3  # 100 samples: 3 steps of 32, the tail of 4 left out
+    assert four == step_samples(100, 8, 2, 2) == step_samples(100, 8, 4, 1)
+    assert len({i for step in four for i in step}) == 96
+    assert four != step_samples(100, 8, 1, 4, epoch=1)  # another epoch, another order
+
+
+def test_a_position_in_samples_resumes_on_any_world_size():
+    """From sample 64 of epoch 2, 1 process takes the steps 4 processes would have taken next."""
+    whole = step_samples(200, 8, 1, 4, epoch=2)
+    assert step_samples(200, 8, 4, 1, epoch=2, start=64) == whole[2:]
+    assert step_samples(200, 8, 1, 4, epoch=2, start=192) == []  # the epoch is over
+
+
+def test_a_rank_takes_every_world_th_sample_of_each_micro_step():
+    """As DistributedSampler over BatchSampler did, so an unchanged run sees what it saw."""
+    batches = StepBatches(40, 2, 1, World(rank=1, size=3), seed=0)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    assert list(batches)[:2] == [[order[1], order[4]], [order[7], order[10]]]
+
+
+SAVED = GlobalBatch(processes=2, batch_size=128, accumulation=1)
+AS_SAVED = {"data": {"batch_size": 128}, "trainer": {"grad_accumulation": 1}}
+
+
+@pytest.mark.parametrize(
+    ("now", "kept"),
+    [
+        (GlobalBatch(2, 128, 1), GlobalBatch(2, 128, 1)),  # as it was
+        (GlobalBatch(1, 128, 1), GlobalBatch(1, 128, 2)),  # fewer processes: accumulate more
+        (GlobalBatch(1, 64, 4), GlobalBatch(1, 64, 4)),  # the config's own figures make it
+    ],
+)
+def test_a_resume_keeps_the_checkpoints_global_batch(now, kept):
+    assert on_resume(SAVED, AS_SAVED, now) == kept
+
+
+def test_a_world_size_that_cannot_keep_the_global_batch_is_one_line_naming_the_figures():
+    with pytest.raises(GlobalBatchChanged) as raised:
+        on_resume(SAVED, AS_SAVED, GlobalBatch(3, 128, 1))
+    assert str(raised.value) == (
+        "the checkpoint's global batch is 256 samples (2 process(es) × data.batch_size 128 × "
+        "trainer.grad_accumulation 1); 3 process(es) cannot make 256 from data.batch_size 128: "
+        "resume on 1, 2 process(es) to keep it, or add trainer.accept_changes=[data.batch_size] "
+        "to train on with another global batch"
+    )
+    with pytest.raises(
+        GlobalBatchChanged, match="data.batch_size=64 trainer.grad_accumulation=1 keeps it"
+    ):
+        on_resume(SAVED, AS_SAVED, GlobalBatch(4, 128, 1))
+
+
+def test_a_global_batch_changed_on_purpose_is_trained_as_given():
+    """Accepted, or the config's figures changed (the resume check lists those)."""
+    assert on_resume(SAVED, AS_SAVED, GlobalBatch(3, 128, 1), accept=True) == GlobalBatch(3, 128, 1)
+    changed = {"data": {"batch_size": 128}, "trainer": {"grad_accumulation": 2}}
+    assert on_resume(SAVED, changed, GlobalBatch(2, 128, 1)) == GlobalBatch(2, 128, 1)
+    assert (
+        accepted(["data"]) and accepted(["trainer.grad_accumulation"]) and not accepted(["model"])
+    )
+
+
+def test_a_checkpoint_from_before_global_batch_was_recorded_gives_its_figures():
+    state = {
+        "world_size": 4,
+        "config": {"data": {"batch_size": 16}, "trainer": {"grad_accumulation": 2}},
+    }
+    assert GlobalBatch.saved(state) == GlobalBatch(4, 16, 2)

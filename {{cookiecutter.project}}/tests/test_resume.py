@@ -16,6 +16,7 @@ import torch
 from conftest import (
     PACKAGE,
     RUN_NAME,
+    launch_command,
     shared_folder,
     torchrun,
     train_command,
@@ -62,7 +63,9 @@ def test_checkpoints_hold_what_a_resume_needs_and_only_the_newest_are_kept(kept)
     assert [p.name for p in paths] == [f"step_{step:09d}.pt" for step in (60, 70, 80)]
     assert not list((kept / "checkpoints").glob(".partial-*"))
     state = torch.load(paths[-1])  # plain torch.load, safe (weights_only) by default
-    assert state["step"] == 80 and state["data"] == {"step": 80, "epoch": 1, "batch_in_epoch": 16}
+    assert state["step"] == 80
+    assert state["data"] == {"step": 80, "epoch": 1, "samples_in_epoch": 16 * 256}
+    assert state["global_batch"] == {"processes": 2, "batch_size": 128, "accumulation": 1}
     assert {"model", "optimizer", "scaler", "rng", "config"} <= state.keys()
     assert len(state["rng"]) == 2 and not any(k.startswith("module.") for k in state["model"])
     assert state["config"]["trainer"]["max_steps"] == 80
@@ -79,22 +82,70 @@ def test_separate_static_rendezvous_launches_get_separate_run_dirs(kept):
 
 
 @pytest.mark.slow
-def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_restarts_the_epoch(
+def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_keeps_the_global_batch(
     kept, tmp_path
 ):
     """kept's newest checkpoint truncated, as by a node dying mid-write: the one before it
-    (step 70, epoch 1, batch 6) is resumed, by 1 process where 2 wrote it."""
+    (step 70, epoch 1, 6 steps in) is resumed by 1 process where 2 wrote it. It accumulates 2
+    micro-batches per step and takes the same samples, so its step 80 is kept's uninterrupted
+    one, but for the order of the sums."""
     shutil.copytree(kept, tmp_path / "run")
     newest = tmp_path / "run" / "checkpoints" / "step_000000080.pt"
+    uninterrupted = torch.load(newest)["model"]
     newest.write_bytes(newest.read_bytes()[:1000])
     done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=75", "hydra.run.dir=run"],
+        [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=80", "hydra.run.dir=run"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipping unreadable checkpoint step_000000080.pt" in done.stdout + done.stderr
-    assert "written by 2 processes, this run has 1: epoch 1 starts again" in done.stdout
-    assert "resumed from the checkpoint of step 70 (epoch 1, batch 0)" in done.stdout
+    assert (
+        "the checkpoint was written by 2 process(es), this run has 1: trainer.grad_accumulation "
+        "1 -> 2 keeps its global batch of 256 samples" in done.stdout
+    )
+    assert "resumed from the checkpoint of step 70 (epoch 1, sample 1536 of it)" in done.stdout
+    resumed = torch.load(newest)
+    assert resumed["global_batch"] == {"processes": 1, "batch_size": 128, "accumulation": 2}
+    assert resumed["config"]["trainer"]["grad_accumulation"] == 1  # the config as given
+    assert max_abs_diff(resumed["model"], uninterrupted) < 1e-5
+
+
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_process(
+    kept, tmp_path
+):
+    """3 processes cannot make kept's 256 samples per step from data.batch_size 128: the
+    launcher says so, naming the figures and the world sizes that can, and starts no worker."""
+    shutil.copytree(kept, tmp_path / "run")
+    done = subprocess.run(
+        launch_command("--nproc-per-node", "3", "hydra.run.dir=run", "dist.backend=gloo"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        "config error: hydra.run.dir=run resumes from step_000000080.pt: the checkpoint's global batch is 256 "
+        "samples (2 process(es) × data.batch_size 128 × trainer.grad_accumulation 1); 3 process(es) "
+        "cannot make 256 from data.batch_size 128: resume on 1, 2 process(es) to keep it, or add "
+        "trainer.accept_changes=[data.batch_size] to train on with another global batch, or choose "
+        "another hydra.run.dir"
+    ]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
+        p.name for p in kept.iterdir()
+    )
+
+
+def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept, monkeypatch):
+    """On 4 processes data.batch_size=64 makes kept's 256: the resume check lets it through;
+    on 2 it would halve the global batch: a change of results, refused unless accepted."""
+    from ddp_project import rundir
+    from ddp_project.check import compose_and_check
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert rundir.resume_problem(kept, compose_and_check(["data.batch_size=64"])) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused = rundir.resume_problem(kept, compose_and_check(["data.batch_size=64"]))
+    assert "written with another config: data.batch_size 128 -> 64" in refused
+    accepted = compose_and_check(["data.batch_size=64", "trainer.accept_changes=[data.batch_size]"])
+    assert rundir.resume_problem(kept, accepted) is None
 
 
 # Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop

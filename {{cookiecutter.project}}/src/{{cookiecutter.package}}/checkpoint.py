@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from copy import deepcopy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,19 +48,21 @@ class Stateful(Protocol):
 
 @dataclass
 class Progress:
-    """Where training stands: optimizer steps done, and batches of the current epoch consumed."""
+    """Where training stands: optimizer steps done, and the samples of the current epoch's
+    permutation taken (by every rank together: the same position on any world size)."""
 
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    samples_in_epoch: int = 0
+    batches_in_epoch: int | None = None  # a checkpoint's from before samples_in_epoch: per rank
 
     def state_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.step, self.epoch, self.batch_in_epoch = (
-            state["step"], state["epoch"], state["batch_in_epoch"]
-        )  # fmt: skip
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.samples_in_epoch = state.get("samples_in_epoch", 0)
+        self.batches_in_epoch = state.get("batch_in_epoch")  # the Trainer converts it
 
 
 class Incompatible(Exception):
@@ -330,6 +332,8 @@ class Checkpointer:
         self.run_dir, self.every, self.keep = run_dir, every, keep
         self.world, self.group, self.states, self.config = world, group, states, config
         self.options = options
+        # the Trainer's figures (global_batch.GlobalBatch): a resume keeps them
+        self.global_batch: dict[str, int] | None = None
         self.watchdog = watchdog
         self.readable: dict[tuple[str, int, int], bool] = {}  # (name, size, mtime) -> reads back
         self.warned: set[str] = set()
@@ -449,6 +453,8 @@ class Checkpointer:
             state = {key: stateful.state_dict() for key, stateful in self.states.items()}
             state |= {"step": step, "rng": rng, "config": self.config, "options": self.options}
             state["world_size"] = self.world.size
+            if self.global_batch:
+                state["global_batch"] = self.global_batch
             if val_loss is not None:  # best.pt's bar; a step checkpoint's, should it become best.pt
                 state["val_loss"] = val_loss
             staged = self.snapshot.take(state)

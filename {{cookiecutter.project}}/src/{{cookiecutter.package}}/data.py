@@ -9,16 +9,14 @@ that training never sees, for `python -m {{ cookiecutter.package }}.evaluate`.
 """
 
 import argparse
-import itertools
 import signal
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from .config import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from .exits import Exit
@@ -82,7 +80,7 @@ class TokenFile(Dataset):
         return self.count
 
     def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole batch at once, as the BatchSampler hands it over."""
+        """A whole batch at once, as StepBatches hands it over."""
         starts = (np.asarray(indices) + self.first) * self.length
         rows = np.stack([self.tokens[s : s + self.length + 1] for s in starts]).astype(np.int64)
         batch = torch.from_numpy(rows)
@@ -104,24 +102,46 @@ def build_dataset(cfg: DataConfig, seed: int, held_out: bool = False) -> Dataset
     return builder_of(cfg)(cfg, seed, held_out)
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, so a resumed run sees exactly the
-    batches an uninterrupted one would, without loading the skipped ones."""
+class StepBatches(Sampler[list[int]]):
+    """This rank's micro-batches, as index lists, such that the samples of each optimizer step do
+    not depend on the world size: each epoch is one permutation of the data set (the seed and the
+    epoch's, the same on every rank, as DistributedSampler's); each optimizer step takes the next
+    global batch of it (processes × batch_size × accumulation), each of its micro-batches the next
+    processes × batch_size, and rank r every processes-th of those, from the r-th. A run resumed
+    part-way through an epoch, on any world size with the same global batch, takes exactly the
+    samples an uninterrupted one would, without loading the skipped ones. Each epoch's tail of
+    fewer than a global batch is left out (drop_last)."""
 
-    def __init__(self, *args: Any, batch_size: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
-        self.start = 0
+    def __init__(
+        self, size: int, batch_size: int, accumulation: int, world: World, seed: int
+    ) -> None:
+        self.size, self.batch_size, self.world, self.seed = size, batch_size, world, seed
+        self.accumulation = accumulation  # set again by a resume that adjusts it
+        self.epoch = self.start = 0
 
-    def set_position(self, epoch: int, batch_in_epoch: int = 0) -> None:
-        self.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
-        self.start = batch_in_epoch * self.batch_size
+    def set_position(self, epoch: int, samples_in_epoch: int = 0) -> None:
+        """Where the next step starts: the samples of this epoch's permutation already taken."""
+        self.epoch, self.start = epoch, samples_in_epoch
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.start, None)
+    @property
+    def per_micro_step(self) -> int:
+        """The samples every rank's next micro-batch takes together."""
+        return self.world.size * self.batch_size
+
+    def steps_left(self) -> int:
+        return max(0, self.size - self.start) // (self.per_micro_step * self.accumulation)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(
+            self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
+        first = self.start + self.world.rank
+        for i in range(self.steps_left() * self.accumulation):
+            begin = first + i * self.per_micro_step
+            yield order[begin : begin + self.per_micro_step : self.world.size].tolist()
 
     def __len__(self) -> int:
-        return max(0, super().__len__() - self.start)
+        return self.steps_left() * self.accumulation
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # torchrun's and Kubernetes'; Ctrl-C's
@@ -149,7 +169,7 @@ class DeviceBatches:
     """Batches of a data set held in GPU memory: each epoch's indices go over in one copy, and
     each batch is a gather on the GPU, with no host work and no synchronisation per batch."""
 
-    def __init__(self, dataset: TensorDataset, batches: BatchSampler) -> None:
+    def __init__(self, dataset: TensorDataset, batches: StepBatches) -> None:
         self.dataset = dataset
         self.batches = batches
 
@@ -167,21 +187,22 @@ class DeviceBatches:
 
 
 def build_loader(
-    dataset: Dataset, cfg: DataConfig, seed: int, device: torch.device, world: World
-) -> tuple[Iterable[tuple[torch.Tensor, ...]], ResumableSampler]:
+    dataset: Dataset,
+    cfg: DataConfig,
+    accumulation: int,
+    seed: int,
+    device: torch.device,
+    world: World,
+) -> tuple[Iterable[tuple[torch.Tensor, ...]], StepBatches]:
     """Batches of this rank's shard. A TensorDataset takes a whole batch of indices at once, so
     each batch is one gather, not batch_size lookups and a stack (the main process keeps up with
-    a GPU step of a few ms). A dataset of single samples: pass batch_size instead of a
-    BatchSampler, and raise data.num_workers."""
-    sampler = ResumableSampler(
-        dataset, num_replicas=world.size, rank=world.rank, batch_size=cfg.batch_size,
-        shuffle=True, seed=seed, drop_last=True,
-    )  # fmt: skip
-    batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
+    a GPU step of a few ms). A dataset of single samples: have its __getitem__ take a list of
+    indices, or wrap it, and raise data.num_workers."""
+    batches = StepBatches(len(dataset), cfg.batch_size, accumulation, world, seed)
     if cfg.on_device:
         held = dataset.in_memory() if isinstance(dataset, TokenFile) else dataset
         on_device = TensorDataset(*(tensor.to(device) for tensor in held.tensors))
-        return DeviceBatches(on_device, batches), sampler
+        return DeviceBatches(on_device, batches), batches
     loader = DataLoader(
         dataset,
         sampler=batches,
@@ -192,7 +213,7 @@ def build_loader(
         pin_memory=cfg.pin_memory
         and device.type == "cuda",  # lets .to(device, non_blocking=True) overlap
     )
-    return loader, sampler
+    return loader, batches
 
 
 CHUNK_BYTES = 2**26  # text read 64 MiB at a time: a file of any size converts in bounded memory

@@ -29,6 +29,8 @@ from . import checkpoint
 from .check import job_config
 from .config import FREE_ON_RESUME, TrainConfig, dotted, marked_keys
 from .config_error import ConfigError
+from .global_batch import KEYS as GLOBAL_BATCH_KEYS
+from .global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from .overrides import exit_with_error
 from .registry import chosen, fitting
 from .validate import unrecorded
@@ -171,9 +173,41 @@ def refuse_if_busy(run_dir: Path) -> None:
         os.close(fd)
 
 
-def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[str, Any, Any]]:
+def keeps_global_batch(state: dict[str, Any], config: TrainConfig) -> bool:
+    """This launch's batch figures make the checkpoint's global batch: they may differ from its
+    config's (another world size) and change nothing the run computes."""
+    try:
+        saved = GlobalBatch.saved(state)
+    except (KeyError, TypeError):
+        return False
+    now = World.from_env().size * config.data.batch_size * config.trainer.grad_accumulation
+    return now == saved.samples
+
+
+def global_batch_problem(
+    state: dict[str, Any], saved_config: dict[str, Any], config: TrainConfig, path: Path
+) -> str | None:
+    """A world size that cannot keep the checkpoint's global batch (global_batch.on_resume), as
+    a line, or None."""
+    try:
+        saved = GlobalBatch.saved(state)
+    except (KeyError, TypeError):
+        return None  # not a checkpoint of this project's: the load says what is wrong
+    now = GlobalBatch(
+        World.from_env().size, config.data.batch_size, config.trainer.grad_accumulation
+    )
+    try:
+        on_resume(saved, saved_config, now, accepted(config.trainer.accept_changes))
+    except GlobalBatchChanged as err:
+        return str(err)
+    return None
+
+
+def changes_on_resume(
+    saved: dict[str, Any], config: TrainConfig, keeps_batch: bool = False
+) -> list[tuple[str, Any, Any]]:
     """Keys that change what the run computes and differ from the checkpoint's config, less
-    those that trainer.accept_changes names."""
+    those that trainer.accept_changes names; with `keeps_batch`, less the batch figures."""
     now = dotted(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
     before = dotted(saved)
     accepted = tuple(
@@ -184,6 +218,7 @@ def changes_on_resume(saved: dict[str, Any], config: TrainConfig) -> list[tuple[
         for key in sorted(before.keys() | now.keys())
         if before.get(key) != now.get(key)
         and not key.startswith(RESUME_MAY_CHANGE)
+        and not (keeps_batch and key in GLOBAL_BATCH_KEYS)
         and not any(key == name or key.startswith(f"{name}.") for name in accepted)
     ]
 
@@ -206,7 +241,11 @@ def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = Non
     switched = option_problem(state, config, path, run_dir, place)
     if switched:
         return switched
-    changes = changes_on_resume(state.get("config", {}), config)
+    saved_config = state.get("config", {})
+    batch = global_batch_problem(state, saved_config, config, path)
+    if batch:
+        return f"{shown} resumes from {path.name}: {batch}, or choose another {key}"
+    changes = changes_on_resume(saved_config, config, keeps_global_batch(state, config))
     if not changes:
         return None
     listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changes)

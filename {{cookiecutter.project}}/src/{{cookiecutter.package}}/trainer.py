@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,11 +27,13 @@ from .checkpoint import (
     Checkpointer,
     CheckpointFailed,
     Diverged,
+    Incompatible,
     Progress,
 )
 from .config import OnNonFinite, Precision, Schedule, TrainConfig
 from .data import build_dataset, build_loader, epoch_batches
 from .failfast import NO_WATCHDOG, Heartbeat
+from .global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from .model import build_model
 from .registry import chosen
 from .stopping import Preemption
@@ -136,8 +138,14 @@ class Trainer:
         self.watchdog = watchdog  # told that steps go on
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
+        # a resume on another world size may adjust the accumulation (global_batch.on_resume)
+        self.global_batch = GlobalBatch(
+            world.size, cfg.data.batch_size, cfg.trainer.grad_accumulation
+        )
         dataset = build_dataset(cfg.data, seed)
-        self.loader, self.sampler = build_loader(dataset, cfg.data, seed, device, world)
+        self.loader, self.sampler = build_loader(
+            dataset, cfg.data, cfg.trainer.grad_accumulation, seed, device, world
+        )
         with device:  # initialised where it trains: no host copy of the weights
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
@@ -188,6 +196,7 @@ class Trainer:
             watchdog=watchdog,
             asynchronous=cfg.trainer.async_checkpoint,
         )
+        self.checkpointer.global_batch = asdict(self.global_batch)
         self.preemption = Preemption(control, world)  # the step a stop signal ends the run at
         self.window = Window(device, step=0)
         self.resumed = False
@@ -228,7 +237,7 @@ class Trainer:
         return stopped
 
     def run_steps(self) -> bool:
-        max_steps, accumulation = self.cfg.trainer.max_steps, self.cfg.trainer.grad_accumulation
+        max_steps, accumulation = self.cfg.trainer.max_steps, self.global_batch.accumulation
         preemption = self.preemption
         if preemption.start(self.progress.step):  # asked to stop already
             preemption.signals.say(preemption.signals.stopped_line())
@@ -332,9 +341,7 @@ class Trainer:
             f"launch ({spent}{', other' if spent else 'other'} {max(0.0, other):.1f} s)"
         )
         if self.flops_per_token and self.peak_flops:
-            trainer, data = self.cfg.trainer, self.cfg.data
-            tokens = (self.steps_done * trainer.grad_accumulation * data.batch_size
-                      * self.world.size * self.tokens_per_sample)  # fmt: skip
+            tokens = self.steps_done * self.global_batch.samples * self.tokens_per_sample
             mfu = perf.mfu(tokens / wall, self.flops_per_token, self.world.size, self.peak_flops)
             line += f"; effective MFU {mfu:.3f}"
         log.info("%s", line)
@@ -347,21 +354,39 @@ class Trainer:
             return
         for group in self.optimizer.param_groups:  # the config's, not the checkpoint's
             group["weight_decay"] = self.cfg.trainer.weight_decay
-        if state["world_size"] != self.world.size:
-            # Other shards: this epoch's batches cannot be matched, so it starts again.
-            self.progress.batch_in_epoch = 0
-            if self.world.main:
-                log.warning(
-                    "the checkpoint was written by %d processes, this run has %d: "
-                    "epoch %d starts again from its first batch",
-                    state["world_size"], self.world.size, self.progress.epoch,
-                )  # fmt: skip
+        self.keep_global_batch(state)
         if self.world.main:
             log.info(
-                "resumed from the checkpoint of step %d (epoch %d, batch %d)",
-                self.progress.step, self.progress.epoch, self.progress.batch_in_epoch,
+                "resumed from the checkpoint of step %d (epoch %d, sample %d of it)",
+                self.progress.step, self.progress.epoch, self.progress.samples_in_epoch,
             )  # fmt: skip
             self.report_stretched_decay(state["config"]["trainer"]["max_steps"])
+
+    def keep_global_batch(self, state: dict[str, Any]) -> None:
+        """On another world size, the accumulation that keeps the checkpoint's global batch
+        (said in the log), or Incompatible; the data position in samples, whatever the world."""
+        saved = GlobalBatch.saved(state)
+        try:
+            now = on_resume(saved, state["config"], self.global_batch,
+                            accepted(self.cfg.trainer.accept_changes))  # fmt: skip
+        except GlobalBatchChanged as err:
+            raise Incompatible(str(err)) from None
+        if self.progress.batches_in_epoch is not None:  # a checkpoint's from before samples
+            per_micro_step = saved.processes * saved.batch_size
+            self.progress.samples_in_epoch = self.progress.batches_in_epoch * per_micro_step
+            self.progress.batches_in_epoch = None
+        if now != self.global_batch and self.world.main:
+            log.warning(
+                "the checkpoint was written by %d process(es), this run has %d: "
+                "trainer.grad_accumulation %d -> %d keeps its global batch of %d samples",
+                saved.processes, now.processes, self.global_batch.accumulation,
+                now.accumulation, now.samples,
+            )  # fmt: skip
+        elif now.samples != saved.samples and self.world.main:
+            log.warning("the global batch changes from %s to %s", saved, now)
+        self.global_batch = now
+        self.sampler.accumulation = now.accumulation
+        self.checkpointer.global_batch = asdict(now)
 
     def report_stretched_decay(self, old_max_steps: int) -> None:
         """trainer.max_steps may change on a resume; where the decay ends changes with it, and so
@@ -380,14 +405,14 @@ class Trainer:
     def batches(self) -> Iterator[Batch]:
         """This rank's batches from where progress stands, epoch after epoch."""
         while True:
-            self.sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch)
+            self.sampler.set_position(self.progress.epoch, self.progress.samples_in_epoch)
             for inputs, labels in epoch_batches(self.loader):
-                self.progress.batch_in_epoch += 1
+                self.progress.samples_in_epoch += self.sampler.per_micro_step
                 yield (
                     inputs.to(self.device, non_blocking=True),
                     labels.to(self.device, non_blocking=True),
                 )
-            self.progress.epoch, self.progress.batch_in_epoch = self.progress.epoch + 1, 0
+            self.progress.epoch, self.progress.samples_in_epoch = self.progress.epoch + 1, 0
 
     def step(self, micro_batches: list[Batch], ends_window: bool) -> None:
         """One optimizer step over the micro-batches."""

@@ -44,8 +44,8 @@ def check_devices(config: TrainConfig, world: World) -> None:
 
 
 def check_data(config: TrainConfig, world: World, held_out: bool = False) -> None:
-    """Training: every process needs at least one full batch of its shard, or it never takes a
-    step. Evaluation (held_out), and training that validates: every process needs a held-out
+    """Training: an epoch needs one optimizer step's samples (processes × data.batch_size ×
+    trainer.grad_accumulation; data.StepBatches), or it never takes a step. Evaluation (held_out), and training that validates: every process needs a held-out
     sample; its last batch may be short, so any batch size does."""
     if held_out or config.trainer.val_every:
         samples, source = config.data.held_out_samples()
@@ -63,13 +63,20 @@ def check_data(config: TrainConfig, world: World, held_out: bool = False) -> Non
     if held_out:
         return
     samples, source = config.data.training_samples()
-    per_process = samples // world.size
+    batch, accumulation = config.data.batch_size, config.trainer.grad_accumulation
+    most = samples // (world.size * accumulation)  # the largest batch size an epoch has a step of
+    todo = (
+        f"use a batch size of at most {most}"
+        if most
+        else "use more data, fewer processes or a lower trainer.grad_accumulation"
+    )
     require(
-        per_process >= config.data.batch_size,
+        most >= batch,
         "data.batch_size",
-        config.data.batch_size,
-        f"each of {world.size} process(es) gets {per_process} of the {samples} training samples of "
-        f"{source}; use a batch size of at most {per_process}",
+        batch,
+        f"each optimizer step takes {world.size} process(es) × {batch} × trainer.grad_accumulation "
+        f"{accumulation} = {world.size * batch * accumulation} of the {samples} training samples "
+        f"of {source}; {todo}",
     )
 
 
