@@ -90,6 +90,7 @@ from . import check, rundir
 from .oom import MemoryWatch, children
 from .overrides import exit_with_error
 from .run_dir_plan import explicit_run_dir, new_part, of_value, planned_run_dir, remove_empty
+from .startup import TORCHRUN_AT_VAR
 from .torchrun_args import (
     RENDEZVOUS,
     ArgumentError,
@@ -288,6 +289,7 @@ def launch(args: list[str]) -> int:
             seen = set(memory.last)
             try:
                 try:
+                    os.environ[TORCHRUN_AT_VAR] = repr(time.time())  # its workers' start-up line
                     run(parsed)
                 finally:
                     ignore_stops()

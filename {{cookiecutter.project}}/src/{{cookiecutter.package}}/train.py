@@ -44,6 +44,7 @@ if __name__ == "__main__":  # the command (tests import this module)
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import hydra
@@ -52,12 +53,25 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import PROJECT, checkpoint, failfast, metrics, nccl, probe, process_group, stopping
+from . import (
+    PROJECT,
+    checkpoint,
+    compilation,
+    failfast,
+    metrics,
+    nccl,
+    probe,
+    process_group,
+    stopping,
+)
 from .check import task_config
 from .config import TrainConfig, register_configs, uses_cuda
 from .exits import Exit
 from .overrides import exit_with_error, hydra_argv
+from .startup import Timeline
 from .trainer import Trainer
+
+IMPORTED_AT = time.time()  # the start-up line's "imports" ends here
 
 log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
@@ -154,9 +168,17 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
 
 def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     world = World.from_env()
+    timeline = Timeline(IMPORTED_AT)
+    timeline.mark("config")  # Hydra's composing and the checks
+    compiling = cfg.trainer.compile and uses_cuda(cfg.dist.backend)  # compilation.compiles
+    cache = compilation.keep_caches_in(run_dir) if compiling else None
+    imports = compilation.import_ahead(compiling)
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
+    timeline.mark(
+        "node probe" if cfg.nccl.auto and uses_cuda(cfg.dist.backend) else "NCCL environment"
+    )
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
     exit_code = 0
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
@@ -186,10 +208,16 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
                 )  # fmt: skip
                 if device.type == "cpu":
                     report_cpu_settings(cfg)
+                if cache:
+                    log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
             control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
-            trainer = Trainer(cfg, world, device, run_dir, control, watchdog)
+            timeline.mark("process group")  # its rendezvous, the gate all-reduce, the CPU group
+            imports.join()
+            timeline.mark("imports ahead")  # what the group's start did not hide
+            trainer = Trainer(cfg, world, device, run_dir, control, watchdog, timeline)
             try:
                 trainer.resume()  # before config.yaml: a refused resume leaves the run's as it was
+                timeline.mark("resume")
                 with signals.deferred():  # a signal now waits for train() to agree on a step
                     if world.main:
                         metrics.save_config(cfg, run_dir, overrides)

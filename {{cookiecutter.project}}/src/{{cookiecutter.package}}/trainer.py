@@ -36,6 +36,7 @@ from .failfast import NO_WATCHDOG, Heartbeat
 from .global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from .model import build_model
 from .registry import chosen
+from .startup import Timeline
 from .stopping import Preemption
 from .world import World, launched_at
 
@@ -133,8 +134,10 @@ class Trainer:
         run_dir: Path,
         control: dist.ProcessGroup | None = None,
         watchdog: Heartbeat = NO_WATCHDOG,
+        timeline: Timeline | None = None,
     ) -> None:
         self.cfg, self.world, self.device, self.run_dir = cfg, world, device, run_dir
+        self.timeline = timeline or Timeline(time.time())  # the start-up line's
         self.watchdog = watchdog  # told that steps go on
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
@@ -146,14 +149,11 @@ class Trainer:
         self.loader, self.sampler = build_loader(
             dataset, cfg.data, cfg.trainer.grad_accumulation, seed, device, world
         )
+        self.timeline.mark("data")
         with device:  # initialised where it trains: no host copy of the weights
             self.module = build_model(cfg.model, cfg.data)
         self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
         self.compiled = compilation.compiles(cfg, device)
-        if self.compiled:
-            cache = compilation.keep_caches_in(run_dir)
-            if cache and world.main:
-                log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
         if cfg.trainer.compile and not self.compiled and world.main:
             log.info(
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
@@ -162,6 +162,9 @@ class Trainer:
         self.forward = torch.compile(self.model) if self.compiled else self.model
         self.loss = compilation.loss_function(self.compiled)
         self.recompiles = compilation.Recompiles()
+        self.timeline.mark(
+            "model"
+        )  # built, wrapped in DDP, torch.compile set up (it compiles later)
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=cfg.trainer.lr,
@@ -177,6 +180,7 @@ class Trainer:
             if cfg.trainer.val_every
             else None
         )
+        self.timeline.mark("optimizer and held-out data")
         self.progress = Progress()
         self.checkpointer = Checkpointer(
             run_dir,
@@ -261,6 +265,9 @@ class Trainer:
                 record.write(pending)
 
         first = True
+        self.timeline.mark("the loop's set-up")  # config.yaml, the loggers
+        if self.world.main:
+            log.info("%s", self.timeline.line())
         self.lost["start-up"] = time.time() - self.launched_at
         with record:  # on an error or a stop too: the bar stops and the files close
             try:

@@ -53,12 +53,16 @@ LAUNCHED_AT_VAR = "DDP_LAUNCHED_AT"  # when the launcher started (time.time()), 
 
 
 def launched_at(env: Mapping[str, str] = os.environ) -> float:
-    """When this launch began: the launcher's start, else this process's (Linux's /proc), else
-    now. Goodput counts from here: a launch's start-up is time the GPU does not train."""
+    """When this launch began: the launcher's start, else this process's, else now. Goodput
+    counts from here: a launch's start-up is time the GPU does not train."""
     try:
         return float(env[LAUNCHED_AT_VAR])
     except (KeyError, ValueError):
-        pass
+        return process_started_at()
+
+
+def process_started_at() -> float:
+    """When this process started (Linux's /proc), else now."""
     try:
         after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
