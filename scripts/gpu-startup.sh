@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# Where the seconds before the first step go, on one GPU, and what importing torch._dynamo and
-# inductor in a thread during the node probe, the rendezvous and CUDA's start saves. One cold
-# launch compiles gpt2_small into the runs' .compile-cache; then launches of 2 steps, each a
-# fresh node (/tmp's caches emptied; the .compile-cache beside the runs kept), interleaved
-# A B B A A B: A the code as it is, B with the imports in their place (the thread removed);
-# then one run resumed from its checkpoint on a fresh node (issue 35, part 3). Per launch: the
-# start-up line (its phases), the first step, launch to the end of the first step.
+# Where the seconds before the first step go, on one GPU. One cold launch compiles gpt2_small into
+# the runs' .compile-cache; then WARM (default 3) launches of 2 steps, each a fresh node (/tmp's
+# caches emptied; the .compile-cache beside the runs kept); then one run resumed from its
+# checkpoint on a fresh node (issue 35, part 3). Per launch: the start-up line (its phases), the
+# first step, launch to the end of the first step; then the worker's slowest imports.
+# SITE_B=<sed expression> adds a variant: a copy of the package with the expression applied to
+# its train.py, launched interleaved with the code as it is (A B B A ...), with A/B per pair.
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-startup.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
-# B: the same package with the thread's start replaced by a thread that does nothing.
-cp -r "$work/site" "$work/siteB"
-sed -i 's/    imports = compilation.import_ahead(compiling)/    imports = threading.Thread(target=lambda: None); imports.start()/' \
-  "$work/siteB/ddp_project/train.py"
-grep -c "target=lambda: None" "$work/siteB/ddp_project/train.py"
+if [[ ${SITE_B:-} ]]; then
+  cp -r "$work/site" "$work/siteB"
+  sed -i "$SITE_B" "$work/siteB/ddp_project/train.py"
+fi
 runs=/tmp/startup-runs
 rm -rf "$runs"
 : >"$OUT/startup.jsonl"
@@ -43,9 +42,9 @@ PY
   grep -h "start-up\|first step took" "$OUT/$name.log" | sed "s/^.*INFO\] - /$name: /"
 }
 launch cold "$work/site" "$runs/cold" trainer.max_steps=2 trainer.checkpoint_every=0
-for i in 1 2 3; do
-  order=(A B)
-  ((i % 2 == 0)) && order=(B A)
+for i in $(seq "${WARM:-3}"); do
+  order=(A)
+  [[ ${SITE_B:-} ]] && order=(A B) && ((i % 2 == 0)) && order=(B A)
   for v in "${order[@]}"; do
     site=$work/site
     [[ $v == B ]] && site=$work/siteB

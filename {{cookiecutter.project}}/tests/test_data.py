@@ -14,7 +14,12 @@ from ddp_project import token_files, validate
 from ddp_project.check import compose_and_check, config_problem
 from ddp_project.config_error import ConfigError
 from ddp_project.data import StepBatches, prepare
-from ddp_project.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
+from ddp_project.global_batch import (
+    GlobalBatch,
+    GlobalBatchChanged,
+    accepted,
+    on_resume,
+)
 from ddp_project.validate import check_data
 from ddp_project.world import World
 

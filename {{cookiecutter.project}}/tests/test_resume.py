@@ -537,10 +537,13 @@ def test_a_rank_sigkilled_ends_the_launcher_promptly_and_resumes_match_an_uninte
     figure(f"{seconds:.1f} s from rank 1's SIGKILL to the launcher's end")
     assert process.returncode != 0
     assert seconds < 150, output[-3000:]  # not dist.timeout_s's 180 s for rank 0 to give up
-    assert "resumed from the checkpoint of step 60 (epoch 0, batch 60)" in output
+    assert "resumed from the checkpoint of step 60 (epoch 0, sample 15360 of it)" in output
     newest = checkpoint.newest_readable(run_dir)[1]["step"]
     assert newest == 70, output[-3000:]
     resumed = torchrun(tmp_path, "trainer.max_steps=80", "hydra.run.dir=run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from the checkpoint of step {newest} (epoch 1, batch 6)" in resumed.stdout
+    assert (
+        f"resumed from the checkpoint of step {newest} (epoch 1, sample 1536 of it)"
+        in resumed.stdout
+    )
     assert max_abs_diff(final_model(kept, 80), final_model(run_dir, 80)) <= 1e-6

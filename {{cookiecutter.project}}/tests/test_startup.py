@@ -2,11 +2,9 @@
 
 import subprocess
 import sys
-import threading
 
 from conftest import PACKAGE
 
-from ddp_project import compilation
 from ddp_project.startup import TORCHRUN_AT_VAR, Timeline
 from ddp_project.world import LAUNCHED_AT_VAR
 
@@ -40,28 +38,6 @@ def test_a_clock_that_steps_back_gives_no_negative_phase():
     assert timeline.phases() == [("imports", 10.0), ("config", 0.0), ("model", 2.0)]
 
 
-def test_the_imports_ahead_run_in_a_thread_and_end(monkeypatch):
-    """The thread imports each module named; one that fails to import ends it quietly (the
-    Trainer's own import then says what is wrong)."""
-    imported = []
-
-    def import_module(name):
-        imported.append(name)
-        if name.startswith("no_"):
-            raise ImportError(name)
-
-    monkeypatch.setattr(compilation.importlib, "import_module", import_module)
-    monkeypatch.setattr(compilation, "AHEAD", ("json", "no_such_module_here", "csv"))
-    thread = compilation.import_ahead(compiling=False)
-    assert isinstance(thread, threading.Thread) and thread.daemon
-    thread.join(timeout=30)
-    assert not thread.is_alive() and imported == ["json", "no_such_module_here"]
-    imported.clear()
-    monkeypatch.setattr(compilation, "AHEAD", ("json",))
-    compilation.import_ahead(compiling=True).join(timeout=30)
-    assert imported == ["json", *compilation.AHEAD_COMPILING]
-
-
 def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
     """What a user runs: every phase named, in order, once."""
     done = subprocess.run(
@@ -76,6 +52,6 @@ def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
     phases = [p.rsplit(" ", 2)[0] for p in line.split(" s: ", 1)[1].split(", ")]
     assert phases == [
         "launcher", "torchrun", "imports", "config", "NCCL environment", "process group",
-        "imports ahead", "data", "model", "optimizer and held-out data", "resume",
+        "data", "model", "optimizer and held-out data", "resume",
         "the loop's set-up",
     ]  # fmt: skip

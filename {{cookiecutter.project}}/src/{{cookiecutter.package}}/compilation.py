@@ -9,10 +9,8 @@ graph took 67.9 (the template's BENCHMARKS.md, issue 22).
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
-import threading
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
@@ -46,31 +44,6 @@ def keep_caches_in(run_dir: Path, env: MutableMapping[str, str] = os.environ) ->
     path = run_dir.parent / ".compile-cache"
     env[CACHE_VAR] = str(path)
     return path
-
-
-# Imported by the first optimizer and by torch.compile (2 s of CPU on an idle core, 7 s on a loaded
-# one), and by the first compiled step: imported while the worker waits for the node probe, the
-# rendezvous and CUDA's start instead.
-AHEAD = ("torch._dynamo",)
-AHEAD_COMPILING = ("torch._inductor.compile_fx",)
-
-
-def import_ahead(compiling: bool) -> threading.Thread:
-    """Start importing what the Trainer will need in a thread; join it before forking (the
-    DataLoader's workers) or compiling. After keep_caches_in: inductor sets its cache variable
-    to /tmp's default the first time it asks for it."""
-    names = AHEAD + (AHEAD_COMPILING if compiling else ())
-
-    def run() -> None:
-        for name in names:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001  the import in its place says what is wrong
-                return
-
-    thread = threading.Thread(target=run, name="import-ahead", daemon=True)
-    thread.start()
-    return thread
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

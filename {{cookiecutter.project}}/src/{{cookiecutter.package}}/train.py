@@ -172,7 +172,6 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     timeline.mark("config")  # Hydra's composing and the checks
     compiling = cfg.trainer.compile and uses_cuda(cfg.dist.backend)  # compilation.compiles
     cache = compilation.keep_caches_in(run_dir) if compiling else None
-    imports = compilation.import_ahead(compiling)
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
@@ -212,8 +211,6 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
                     log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
             control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
             timeline.mark("process group")  # its rendezvous, the gate all-reduce, the CPU group
-            imports.join()
-            timeline.mark("imports ahead")  # what the group's start did not hide
             trainer = Trainer(cfg, world, device, run_dir, control, watchdog, timeline)
             try:
                 trainer.resume()  # before config.yaml: a refused resume leaves the run's as it was
