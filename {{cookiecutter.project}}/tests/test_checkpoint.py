@@ -352,3 +352,62 @@ def test_a_snapshot_owns_its_tensors_and_keeps_what_load_state_dict_reads():
         assert torch.equal(copied[key], tensor)
         assert copied[key].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
     torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).load_state_dict(copied)
+
+
+def test_a_state_counts_each_storage_once():
+    """Tied weights and views are one copy in the snapshot, as in the file."""
+    model = torch.nn.Linear(10, 10)  # 100 + 10 floats
+    state = {"model": model.state_dict(), "tied": [model.weight, model.weight[0]], "step": 3}
+    assert checkpoint.state_bytes(state) == 110 * 4
+
+
+def test_a_snapshot_fits_in_most_of_the_memory_still_available():
+    gib = 2**30
+    assert checkpoint.snapshot_room(gib, (2 * gib, "this machine has")) is None
+    assert checkpoint.snapshot_room(gib, None) is None  # nothing to tell: as configured
+    assert checkpoint.snapshot_room(2 * gib, (2 * gib, "its cgroup (container) has")) == (
+        "checkpoints are written synchronously: their background copy of the state needs 2.00 "
+        "GiB of host memory on rank 0, and its cgroup (container) has 2.00 GiB available; give "
+        "the pod more memory (deploy.memory_per_gpu) to write them in the background, or set "
+        "trainer.async_checkpoint=false to choose this"
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "held"),
+    [  # a v2 group and a v1 group, each 1 GiB held of which 256 MiB inactive file pages
+        ({"memory.max": "2147483648", "memory.current": "1073741824",
+          "memory.stat": "anon 1\ninactive_file 268435456\n"}, 2**30 - 2**28),
+        ({"memory.limit_in_bytes": "2147483648", "memory.usage_in_bytes": "1073741824",
+          "memory.stat": "total_inactive_file 268435456\n"}, 2**30 - 2**28),
+    ],
+)  # fmt: skip
+def test_a_containers_available_memory_is_its_limit_less_what_it_holds(tmp_path, files, held):
+    from ddp_project import oom
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert oom.available_memory([tmp_path]) == (2**31 - held, "its cgroup (container) has")
+    (tmp_path / "memory.max").write_text("max\n")  # v2 without a limit: the machine's figure
+    (tmp_path / "memory.limit_in_bytes").write_text(str(2**63))
+    assert oom.available_memory([tmp_path])[1] == "this machine has"
+
+
+def test_a_snapshot_the_host_cannot_hold_makes_the_checkpoints_synchronous(
+    tmp_path, monkeypatch, caplog
+):
+    """Said once, in a line with the figures; the next save is written before it returns."""
+    saver = checkpointer(tmp_path, torch.nn.Linear(64, 64), asynchronous=True)
+    monkeypatch.setattr(checkpoint.oom, "available_memory", lambda: (1000, "this machine has"))
+    with caplog.at_level(logging.WARNING):
+        saver.prepare()
+    assert not saver.asynchronous
+    (line,) = [r.getMessage() for r in caplog.records if "synchronously" in r.getMessage()]
+    assert "needs 0.00 GiB of host memory on rank 0, and this machine has 0.00 GiB" in line
+    assert saver.writer.thread is None
+    saver.save(10)
+    assert saver.writer.thread is None and names(tmp_path) == ["step_000000010.pt"]
+    roomy = checkpointer(tmp_path / "roomy", torch.nn.Linear(64, 64), asynchronous=True)
+    monkeypatch.setattr(checkpoint.oom, "available_memory", lambda: (2**40, "this machine has"))
+    roomy.prepare()
+    assert roomy.asynchronous

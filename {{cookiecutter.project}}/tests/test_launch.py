@@ -794,8 +794,13 @@ def test_a_stop_before_the_workers_made_the_default_run_dir_leaves_no_outputs_di
 GIB = 2**30
 
 
+def memory_config(batch_size, async_checkpoint=False):
+    trainer = SimpleNamespace(async_checkpoint=async_checkpoint, checkpoint_every=100)
+    return SimpleNamespace(data=SimpleNamespace(batch_size=batch_size), trainer=trainer)
+
+
 def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_setting():
-    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    config = memory_config(8)
     line = oom.memory_line(
         0, 41, held=int(11.8 * GIB), total=int(23.5 * GIB), limit=(24 * GIB, "this machine has"),
         evidence=True, config=config, local_size=2,
@@ -806,9 +811,14 @@ def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_sett
     )
     one = oom.memory_line(
         1, 42, held=None, total=None, limit=(GIB // 2, "its cgroup (container) allows"),
-        evidence=True, config=SimpleNamespace(data=SimpleNamespace(batch_size=1)), local_size=1,
+        evidence=True, config=memory_config(1, async_checkpoint=True), local_size=1,
     )  # fmt: skip
     assert one == "rank 1 (pid 42) was killed for memory: its cgroup (container) allows 0.5 GiB"
+    background = oom.memory_line(0, 41, GIB, GIB, (GIB, "this machine has"), True,
+                                 memory_config(1, async_checkpoint=True), 1)  # fmt: skip
+    assert background.endswith(
+        "; try trainer.async_checkpoint=false (rank 0 holds a host copy of the state)"
+    )
     # without evidence, a SIGKILL is a SIGKILL: no claim about memory
     assert oom.memory_line(0, 41, GIB, GIB, (24 * GIB, "x"), False, config, 2) is None
 
@@ -816,7 +826,7 @@ def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_sett
 def test_the_evidence_of_a_kill_for_memory(monkeypatch):
     """A SIGKILL counts as one for memory when the kernel counted an OOM kill during the run, or
     when the workers held 90% of the limit when last seen; otherwise it is not."""
-    config = SimpleNamespace(data=SimpleNamespace(batch_size=8))
+    config = memory_config(8)
     counts = {"/proc/vmstat": 3}
     monkeypatch.setattr(oom, "oom_kills", lambda: dict(counts))
     monkeypatch.setattr(oom, "memory_limit", lambda: (10 * GIB, "this machine has"))

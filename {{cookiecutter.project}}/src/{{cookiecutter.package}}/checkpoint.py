@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import oom
 from .exits import Exit
 from .failfast import NO_WATCHDOG, Heartbeat
 from .world import World
@@ -266,6 +267,41 @@ class Snapshot:
         return buffer.copy_(tensor, non_blocking=True)
 
 
+SNAPSHOT_SHARE = 0.8  # of the host memory still available, the most a snapshot may take
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of a state's tensors, each storage once (tied weights, views)."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[(value.device.type, storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif type(value) in (list, tuple):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return sum(seen.values())
+
+
+def snapshot_room(needed: int, available: tuple[int, str] | None) -> str | None:
+    """Why a background checkpoint's host copy of `needed` bytes does not fit, or None."""
+    if available is None or needed <= SNAPSHOT_SHARE * available[0]:
+        return None
+    return (
+        f"checkpoints are written synchronously: their background copy of the state needs "
+        f"{needed / 2**30:.2f} GiB of host memory on rank 0, and {available[1]} "
+        f"{available[0] / 2**30:.2f} GiB available; give the pod more memory "
+        "(deploy.memory_per_gpu) to write them in the background, or set "
+        "trainer.async_checkpoint=false to choose this"
+    )
+
+
 class Writer:
     """Rank 0's background write, one at a time: a thread per write, and not a daemon, so that a
     process on its way out finishes the write in progress (a whole file, or a partial one that
@@ -467,10 +503,26 @@ class Checkpointer:
             self.settle()
 
     def prepare(self) -> None:
-        """After the first step, when the optimizer's state exists: rank 0 pins its snapshot's
-        buffers meanwhile, not during the first checkpoint."""
-        if self.enabled and self.asynchronous and self.world.main:
-            self.snapshot.reserve({key: s.state_dict() for key, s in self.states.items()})
+        """Every rank, after the first step, when the optimizer's state exists: rank 0 pins its
+        snapshot's buffers meanwhile, not during the first checkpoint, if the host has the
+        memory for them; else every rank writes synchronously from here on, and rank 0 says
+        why (an OOM kill would lose more than the stall)."""
+        if not (self.enabled and self.asynchronous):
+            return
+        room = None
+        if self.world.main:
+            state = {key: s.state_dict() for key, s in self.states.items()}
+            room = snapshot_room(state_bytes(state), oom.available_memory())
+            if room is None:
+                self.snapshot.reserve(state)
+        if self.world.size > 1:  # every rank settles the same way: rank 0's verdict for all
+            verdict = [room]
+            dist.broadcast_object_list(verdict, src=0, group=self.group)
+            room = verdict[0]
+        if room is not None:
+            self.asynchronous = False
+            if self.world.main:
+                log.warning("%s", room)
 
     def settle(self, saving: bool = False) -> None:
         """Every rank: wait for rank 0's write in progress, if any, and raise CheckpointFailed

@@ -86,6 +86,42 @@ def memory_limit() -> tuple[int, str] | None:
     return min(limits) if limits else None
 
 
+def meminfo_bytes(name: str, path: Path = Path("/proc/meminfo")) -> int | None:
+    """`name` in /proc/meminfo (`MemAvailable:   123 kB`), in bytes."""
+    try:
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if fields[:1] == [name]:
+                return int(fields[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory(folders: list[Path] | None = None) -> tuple[int, str] | None:
+    """The memory this process could still take without a kill: the machine's MemAvailable, or
+    its cgroup's limit less what the group holds (its inactive file pages, which the kernel
+    reclaims first, left out) when lower."""
+    found = []
+    machine = meminfo_bytes("MemAvailable:")
+    if machine is not None:
+        found.append((machine, "this machine has"))
+    for folder in cgroup_dirs() if folders is None else folders:
+        for limit_file, usage_file, reclaimable in (
+            ("memory.max", "memory.current", "inactive_file"),  # v2
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),  # v1
+        ):
+            try:
+                limit = int((folder / limit_file).read_text().split()[0])
+                usage = int((folder / usage_file).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # "max": no limit, or not this version's files
+            if limit < 2**60:
+                held = usage - (read_counter(folder / "memory.stat", reclaimable) or 0)
+                found.append((max(0, limit - held), "its cgroup (container) has"))
+    return min(found) if found else None
+
+
 def resident(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -169,6 +205,8 @@ def memory_line(
         tries.append(f"data.batch_size={config.data.batch_size // 2}")
     if local_size > 1:
         tries.append(f"--nproc-per-node {local_size // 2}")
+    if rank == 0 and config.trainer.async_checkpoint and config.trainer.checkpoint_every:
+        tries.append("trainer.async_checkpoint=false (rank 0 holds a host copy of the state)")
     if tries:
         line += f"; try {' or '.join(tries)}"
     return line
