@@ -411,3 +411,17 @@ def test_a_snapshot_the_host_cannot_hold_makes_the_checkpoints_synchronous(
     monkeypatch.setattr(checkpoint.oom, "available_memory", lambda: (2**40, "this machine has"))
     roomy.prepare()
     assert roomy.asynchronous
+
+
+def test_an_odd_proc_self_cgroup_line_is_skipped(monkeypatch, tmp_path):
+    """The check runs inside training: a line it cannot parse must not end the run."""
+    from ddp_project import oom
+
+    real = oom.Path
+
+    def fake(path, *rest):
+        return real(tmp_path / "cgroup") if str(path) == "/proc/self/cgroup" else real(path, *rest)
+
+    (tmp_path / "cgroup").write_text("garbage\n0::/\n")
+    monkeypatch.setattr(oom, "Path", fake)
+    assert oom.cgroup_dirs() == [d for d in [real("/sys/fs/cgroup")] * 2 if d.is_dir()]

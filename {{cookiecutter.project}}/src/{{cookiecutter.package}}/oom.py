@@ -36,7 +36,10 @@ def cgroup_dirs() -> list[Path]:
         return found
     root = Path("/sys/fs/cgroup")
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue  # not a cgroup line: nothing to learn from it
+        _, controllers, path = fields
         if controllers == "":  # v2
             found += [root / path.lstrip("/"), root]
         elif "memory" in controllers.split(","):  # v1
