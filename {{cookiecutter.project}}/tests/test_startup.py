@@ -51,7 +51,7 @@ def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
     ]
     phases = [p.rsplit(" ", 2)[0] for p in line.split(" s: ", 1)[1].split(", ")]
     assert phases == [
-        "launcher", "torchrun", "imports", "config", "NCCL environment", "process group",
+        "launcher", "torchrun", "imports", "config", "environment", "process group",
         "data", "model", "optimizer and held-out data", "resume",
         "the loop's set-up",
     ]  # fmt: skip

@@ -175,8 +175,9 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
+    cuda = uses_cuda(cfg.dist.backend)  # over gloo the line names nothing of NCCL's
     timeline.mark(
-        "node probe" if cfg.nccl.auto and uses_cuda(cfg.dist.backend) else "NCCL environment"
+        ("node probe" if cfg.nccl.auto else "NCCL environment") if cuda else "environment"
     )
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
     exit_code = 0
