@@ -11,6 +11,8 @@
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-goodput.sh
 # PAIRS (default 2), STEPS (default 400) and OVERRIDES (default experiment=gpt2_small) narrow it;
 # LONG=3000 runs the long pair instead (cold, then warm from the caches beside the run).
+# COMPARE=format compares trainer.checkpoint_format=file against dcp instead (both in the
+# background), and resumes the last run of each (the start-up line's resume phase: the load).
 set -uo pipefail
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
@@ -37,6 +39,8 @@ text = open(log).read()
 written = len(re.findall(r"checkpoint checkpoints/step_", text))
 good = re.search(r"goodput ([\d.]+): ([\d.]+) s of steps in ([\d.]+) s since launch \((.*?)\)(?:; effective MFU ([\d.]+))?", text)
 first = re.search(r"the first step took ([\d.]+) s", text)
+resume = re.search(r"start-up [\d.]+ s: .*?resume ([\d.]+) s", text)
+waited = sum(float(s) for s in re.findall(r"waited ([\d.]+) s for the write", text))
 past = [r for r in rows if r["step"] > 20]
 windows = [r["step_time_ms"] for r in past]
 stepping, before = 0.0, 0
@@ -53,6 +57,7 @@ print(json.dumps({
     "goodput": float(good[1]) if good else None, "wall_s": float(good[3]) if good else None,
     "lost": good[4] if good else None, "effective_mfu": float(good[5]) if good and good[5] else None,
     "first_step_s": float(first[1]) if first else None,
+    "resume_s": float(resume[1]) if resume else None, "waited_s": waited,
 }))
 PY
 }
@@ -66,29 +71,42 @@ if [[ ${LONG:-} ]]; then
 else
   launch cold "$runs/cold" trainer.max_steps=2 trainer.checkpoint_every=0 trainer.val_every=0
 fi
+variants=(async sync)
+[[ ${COMPARE:-} == format ]] && variants=(file dcp)
+setting() {  # variant -> its override
+  case $1 in
+    async) echo trainer.async_checkpoint=true ;;
+    sync) echo trainer.async_checkpoint=false ;;
+    *) echo trainer.checkpoint_format="$1" ;;
+  esac
+}
 for pair in $(seq "$pairs"); do
-  order=(async sync)
-  ((pair % 2 == 0)) && order=(sync async)
+  order=("${variants[@]}")
+  ((pair % 2 == 0)) && order=("${variants[1]}" "${variants[0]}")
   for variant in "${order[@]}"; do
-    flag=true
-    [[ $variant == sync ]] && flag=false
-    launch "$variant-$pair" "$runs/$variant-$pair" trainer.max_steps="$steps" trainer.async_checkpoint=$flag
-    [[ $variant == async && $pair == "$pairs" ]] || rm -rf "$runs/$variant-$pair/checkpoints"
+    launch "$variant-$pair" "$runs/$variant-$pair" trainer.max_steps="$steps" "$(setting "$variant")"
+    [[ $variant != sync && $pair == "$pairs" ]] || rm -rf "$runs/$variant-$pair/checkpoints"
   done
 done
-# A rescheduled pod: the last async run resumed for 100 more steps, from its checkpoint and caches.
-((pairs)) && launch resume "$runs/async-$pairs" trainer.max_steps=$((steps + 100))
+# A rescheduled pod: the last run resumed for 100 more steps, from its checkpoint and caches (each
+# format's, comparing formats).
+if ((pairs)); then
+  for variant in "${variants[@]}"; do
+    [[ $variant == sync ]] && continue
+    launch "resume-$variant" "$runs/$variant-$pairs" trainer.max_steps=$((steps + 100)) "$(setting "$variant")"
+  done
+fi
 python3 - "$OUT/goodput.jsonl" <<'PY' | tee "$OUT/goodput.log"
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print(f"{'launch':10} {'ckpts':>5} {'stall/ckpt s':>12} {'ckpt+val/steps':>14} {'median ms':>9} {'slowest ms':>10} {'MFU':>6} {'goodput':>7} {'wall s':>7} {'eff MFU':>7} {'1st step s':>10}")
+print(f"{'launch':12} {'ckpts':>5} {'stall/ckpt s':>12} {'ckpt+val/steps':>14} {'median ms':>9} {'slowest ms':>10} {'MFU':>6} {'goodput':>7} {'wall s':>7} {'eff MFU':>7} {'1st step s':>10} {'resume s':>8} {'waited s':>8}")
 for r in rows:
     stall = r["checkpoint_s"] / r["checkpoints"] if r["checkpoints"] else float("nan")
     over = (r["checkpoint_s"] + r["val_s"]) / r["stepping_s"] if r["stepping_s"] else float("nan")
     f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
-    print(f"{r['name']:10} {r['checkpoints']:5d} {stall:12.3f} {over:14.3f} {f(r['median_ms'], '9.1f')} {f(r['slowest_ms'], '10.1f')} {f(r['mfu'], '6.3f')} {f(r['goodput'], '7.3f')} {f(r['wall_s'], '7.1f')} {f(r['effective_mfu'], '7.3f')} {f(r['first_step_s'], '10.1f')}")
-    print(f"{'':10} lost: {r['lost']}")
-for variant in ("async", "sync"):
+    print(f"{r['name']:12} {r['checkpoints']:5d} {stall:12.3f} {over:14.3f} {f(r['median_ms'], '9.1f')} {f(r['slowest_ms'], '10.1f')} {f(r['mfu'], '6.3f')} {f(r['goodput'], '7.3f')} {f(r['wall_s'], '7.1f')} {f(r['effective_mfu'], '7.3f')} {f(r['first_step_s'], '10.1f')} {f(r.get('resume_s'), '8.1f')} {f(r.get('waited_s'), '8.1f')}")
+    print(f"{'':12} lost: {r['lost']}")
+for variant in ("async", "sync", "file", "dcp"):
     mine = [r for r in rows if r["name"].startswith(variant + "-")]
     if mine:
         stall = [r["checkpoint_s"] / r["checkpoints"] for r in mine if r["checkpoints"]]

@@ -220,12 +220,14 @@ if "RANK" in os.environ:
 
         import torch
         from PACKAGE.checkpoint import Checkpointer
-        _save, _stop_save_began = torch.save, threading.Event()
+        _save, _stop_save_began, _held = torch.save, threading.Event(), []
         _checkpoint_save = Checkpointer.save
 
         def _held_save(obj, f, *args, **kwargs):
             # Files only: torch's object collectives (broadcast_object_list) torch.save to memory.
-            if not isinstance(f, io.BytesIO):
+            # The first write only (a DCP share is a torch.save per tensor).
+            if not isinstance(f, io.BytesIO) and not _held:
+                _held.append(True)
                 (_records / "saving").touch()
                 _stop_save_began.wait(timeout=60)  # so a stop comes while this write is in flight
                 time.sleep(1)
@@ -440,16 +442,19 @@ def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_li
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_hook):
+@pytest.mark.parametrize("form", ["file", "dcp"])
+def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_hook, form):
     """SIGTERM while rank 0 writes step 200's checkpoint in the background (held until the
     stop's save begins, then 1 s more), training going on meanwhile: the write in flight ends,
-    then the stop's checkpoint is written, both read back, nothing partial is left. (Writes
+    then the stop's checkpoint is written, both read back, nothing partial is left; in either
+    format (a DCP folder: each rank's share held so). (Writes
     slower than the steps between checkpoints make each save wait for the last, and a stop then
     waits for two writes and the steps to its step: a test of that raced torchrun's 30 s grace on
     a loaded machine.)"""
     env, records = stop_hook
     command = train_command("hydra.run.dir=run", "trainer.log_every=1", "trainer.max_steps=100000000",
-                            "trainer.checkpoint_every=200", "trainer.val_every=0")  # no best.pt write  # fmt: skip
+                            "trainer.checkpoint_every=200", "trainer.val_every=0",  # no best.pt write
+                            f"trainer.checkpoint_format={form}")  # fmt: skip
     process = subprocess.Popen(
         command, cwd=tmp_path, env={**os.environ, **env, "HOLD_WRITES_UNTIL_STOP": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -471,10 +476,13 @@ def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_ho
     assert len(stopped) == 1, output[-3000:]
     step = int(stopped[0])
     assert 200 < step < 400, output[-3000:]
-    assert "for the write of checkpoints/step_000000200.pt to finish" in output
+    suffix = {"file": "pt", "dcp": "dcp"}[form]
+    assert f"for the write of checkpoints/step_000000200.{suffix} to finish" in output
     run = tmp_path / "run"
     paths = checkpoint.checkpoint_paths(run)
-    assert [p.name for p in paths] == ["step_000000200.pt", f"step_{step:09d}.pt"], output[-3000:]
+    assert [p.name for p in paths] == [f"step_000000200.{suffix}", f"step_{step:09d}.{suffix}"], (
+        output[-3000:]
+    )
     assert [checkpoint.read(p)["step"] for p in paths] == [200, step]
     assert not list((run / "checkpoints").glob(".partial-*"))
     assert "Traceback" not in output.split("SIGTERM: stopped")[0][-2000:]

@@ -5,7 +5,9 @@ at a step its caller forces: the Trainer's stop, stopping.py), what a checkpoint
 load one, and which to keep. Rank 0 writes `<run dir>/checkpoints/step_<N>.pt` atomically (temp
 file in the same directory, fsync, rename), in a thread of its own from a host copy of the state
 (Snapshot, Writer), so training waits only for that copy; a checkpoint counts once it reads back.
-A relaunch with the same run dir resumes from the newest one that reads back.
+With trainer.checkpoint_format=dcp every rank writes its share of a `step_<N>.dcp` folder
+(checkpoint_dcp.py) the same way: a partial folder, renamed by rank 0 once whole.
+A relaunch with the same run dir resumes from the newest one that reads back, in either format.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import os
 import random
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -29,14 +32,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import oom
+from . import checkpoint_dcp, oom
 from .exits import Exit
 from .failfast import NO_WATCHDOG, Heartbeat
 from .world import World
 
 log = logging.getLogger(__name__)
-NAME = re.compile(r"step_(\d{9})\.pt")
+NAME = re.compile(r"step_(\d{9})\.(pt|dcp)")
 BEST = "best.pt"  # trainer.keep_best's: not a step_ name, so no resume or keep policy touches it
+BEST_DCP = "best.dcp"  # best.pt's in the DCP format
+FORMATS = ("file", "dcp")  # config.CheckpointFormat's values
 PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
 REQUIRED = {"step", "model", "optimizer", "data"}
 
@@ -103,11 +108,11 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
     """Files named as checkpoints in the run dir, oldest step first; readable or not."""
     directory = run_dir / "checkpoints"
     found = (
-        [p for p in directory.glob("step_*.pt") if NAME.fullmatch(p.name)]
+        [p for p in directory.glob("step_*") if NAME.fullmatch(p.name)]
         if directory.is_dir()
         else []
     )
-    return sorted(found)
+    return sorted(found, key=lambda path: (step_of(path), path.suffix == ".pt"))
 
 
 def step_of(path: Path) -> int:
@@ -137,13 +142,47 @@ def sync_directory(path: Path) -> None:
         os.close(directory)
 
 
+def is_dcp(path: Path) -> bool:
+    return path.suffix == checkpoint_dcp.SUFFIX
+
+
 def read(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint's state; raises if the file is not one. mmap=True reads only the structure
-    (the tensors stay on disk until touched): a cheap check that a file reads back."""
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    """A checkpoint's state; raises if the file (or DCP folder) is not one. mmap=True reads only
+    the structure (the tensors stay on disk until touched), a cheap check that it reads back; of a
+    DCP folder, all but its model's and optimizer's tensors (model and optimizer are None)."""
+    if is_dcp(path):
+        checkpoint_dcp.verify(path)
+        state = torch.load(path / checkpoint_dcp.EXTRA, map_location="cpu", weights_only=True)
+        if isinstance(state, dict):
+            state |= (
+                checkpoint_dcp.read_all(path) if not mmap else dict.fromkeys(checkpoint_dcp.TENSORS)
+            )
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     if not (isinstance(state, dict) and state.keys() >= REQUIRED):
         raise ValueError("not a training checkpoint")
     return state
+
+
+def remove(path: Path) -> None:
+    """A file, or a DCP folder and what it holds."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """`new` renamed to `target`, a folder that may exist: the old one is renamed aside first
+    (a folder cannot be renamed over one that has files), then removed. Killed between the two
+    renames, the old one is put back by the next start (Checkpointer.remove_partials)."""
+    aside = target.with_name(f"{PARTIAL}old-{target.name}")
+    remove(aside)
+    if target.exists():
+        os.replace(target, aside)
+    os.replace(new, target)
+    sync_directory(target.parent)
+    remove(aside)
 
 
 def newest_readable(run_dir: Path, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
@@ -289,13 +328,15 @@ def state_bytes(state: Any) -> int:
     return sum(seen.values())
 
 
-def snapshot_room(needed: int, available: tuple[int, str] | None) -> str | None:
+def snapshot_room(
+    needed: int, available: tuple[int, str] | None, holders: str = "rank 0"
+) -> str | None:
     """Why a background checkpoint's host copy of `needed` bytes does not fit, or None."""
     if available is None or needed <= SNAPSHOT_SHARE * available[0]:
         return None
     return (
         f"checkpoints are written synchronously: their background copy of the state needs "
-        f"{needed / 2**30:.2f} GiB of host memory on rank 0, and {available[1]} "
+        f"{needed / 2**30:.2f} GiB of host memory on {holders}, and {available[1]} "
         f"{available[0] / 2**30:.2f} GiB available; give the pod more memory "
         "(deploy.memory_per_gpu) to write them in the background, or set "
         "trainer.async_checkpoint=false to choose this"
@@ -363,6 +404,8 @@ class Checkpointer:
         options: dict[str, str],
         watchdog: Heartbeat = NO_WATCHDOG,
         asynchronous: bool = True,
+        checkpoint_format: str = "file",
+        writers: dist.ProcessGroup | None = None,
     ) -> None:
         self.directory = run_dir / "checkpoints"
         self.run_dir, self.every, self.keep = run_dir, every, keep
@@ -377,6 +420,8 @@ class Checkpointer:
         self.keep_best = keep_best
         self.best_loss = math.inf  # best.pt's validation loss: the bar to beat
         self.asynchronous = asynchronous
+        self.dcp = checkpoint_format == "dcp"
+        self.writers = writers  # the DCP write's own CPU group: it runs beside `group`'s messages
         self.snapshot, self.writer = Snapshot(), Writer(self.failure)
         self.reported_bytes = 0
         self.stalled_s = 0.0  # what training has waited for checkpoints, for goodput's figures
@@ -388,11 +433,17 @@ class Checkpointer:
         return self.every > 0
 
     def remove_partials(self) -> None:
-        """Writes that a kill interrupted: never a checkpoint, only disk used."""
+        """Writes that a kill interrupted: never a checkpoint, only disk used. A folder that
+        replace_folder() had set aside and not yet replaced is put back."""
         if not self.directory.is_dir():
             return
+        for left in sorted(self.directory.glob(f"{PARTIAL}old-*")):
+            target = self.directory / left.name.removeprefix(f"{PARTIAL}old-")
+            if not target.exists():
+                os.replace(left, target)
+                log.info("put back %s, set aside by a write that was killed", target.name)
         for left in sorted(self.directory.glob(f"{PARTIAL}*")):
-            left.unlink(missing_ok=True)
+            remove(left)
             log.info("removed %s, left by a write that was killed", left.name)
 
     # --- loading --------------------------------------------------------------------------
@@ -402,8 +453,8 @@ class Checkpointer:
         the states, and its own RNG state when the world size is unchanged. Returns the
         checkpoint (None when there is none) for what the caller makes of the rest."""
         choice: list[Any] = [None, math.inf]
-        if self.world.main:
-            found = newest_readable(self.run_dir)
+        if self.world.main:  # the structure only: the one read of the tensors is below
+            found = newest_readable(self.run_dir, mmap=True)
             choice = [str(found[0]) if found else None, self.best_on_disk()]
         if self.world.size > 1:
             dist.broadcast_object_list(choice, src=0, group=self.group)
@@ -411,27 +462,45 @@ class Checkpointer:
         if choice[0] is None:
             return None
         self.newest = Path(choice[0])
-        state = read(self.newest)
+        # A DCP folder's tensors go straight into the model and optimizer, on any world size.
+        state = read(self.newest, mmap=is_dcp(self.newest))
         for key, stateful in self.states.items():
-            if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
+            if is_dcp(self.newest) and key in checkpoint_dcp.TENSORS:
+                if key == "model":
+                    self.load_dcp(self.newest)
+            elif state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
                 try:
                     stateful.load_state_dict(state[key])
                 except (RuntimeError, ValueError, KeyError) as err:
-                    reason = " ".join(str(err).split())[:300]
-                    raise Incompatible(
-                        f"{self.newest.name} does not fit this run's {key}: {reason}; resume with "
-                        "the config it was written with, or choose another hydra.run.dir"
-                    ) from None
+                    raise self.incompatible(key, err) from None
         if state["world_size"] == self.world.size:
             set_rng_state(state["rng"][self.world.rank])
         self.watchdog.beat()  # loading a large checkpoint is no stalled collective
         return state
 
+    def load_dcp(self, path: Path) -> None:
+        try:
+            checkpoint_dcp.load(path, self.states["model"], self.states["optimizer"],
+                                self.writers, alone=self.world.size == 1)  # fmt: skip
+        except (checkpoint_dcp.ShareFailed, RuntimeError, ValueError, KeyError) as err:
+            raise self.incompatible("model and optimizer", err) from None
+
+    def incompatible(self, key: str, err: BaseException) -> Incompatible:
+        reason = " ".join(str(err).split())[:300]
+        return Incompatible(
+            f"{self.newest.name} does not fit this run's {key}: {reason}; resume with "
+            "the config it was written with, or choose another hydra.run.dir"
+        )
+
+    @property
+    def best_path(self) -> Path:
+        return self.directory / (BEST_DCP if self.dcp else BEST)
+
     def best_on_disk(self) -> float:
         """The validation loss of best.pt, the bar a resumed run must beat; inf when there is none
         (or keep_best is off). One that does not read back is no good checkpoint: replaced by the
         next validation, with a warning now."""
-        path = self.directory / BEST
+        path = self.best_path
         if not (self.keep_best and path.exists()):
             return math.inf
         try:
@@ -484,15 +553,16 @@ class Checkpointer:
         if not all_finite(model):  # identical on every rank under DDP: all stop together
             raise Diverged(step, "a weight")
         rng = self.gather_rng_states()
-        if self.world.main:
+        if self.dcp:  # every rank stages and writes its share; rank 0 the rest beside it
+            path = self.best_path if best else self.directory / f"step_{step:09d}.dcp"
+            staged = self.snapshot.take(self.snapshot_state())
+            extra = self.extra(step, rng, val_loss) if self.world.main else None
+            self.report_snapshot()
+            self.writer.start(path, partial(self.write_dcp_here, path, staged, extra, step,
+                                            val_loss, best, also_best))  # fmt: skip
+        elif self.world.main:
             path = self.directory / (BEST if best else f"step_{step:09d}.pt")
-            state = {key: stateful.state_dict() for key, stateful in self.states.items()}
-            state |= {"step": step, "rng": rng, "config": self.config, "options": self.options}
-            state["world_size"] = self.world.size
-            if self.global_batch:
-                state["global_batch"] = self.global_batch
-            if val_loss is not None:  # best.pt's bar; a step checkpoint's, should it become best.pt
-                state["val_loss"] = val_loss
+            state = self.extra(step, rng, val_loss) | self.snapshot_state()
             staged = self.snapshot.take(state)
             self.report_snapshot()
             self.writer.start(
@@ -502,6 +572,27 @@ class Checkpointer:
         if not self.asynchronous:
             self.settle()
 
+    def snapshot_state(self) -> dict[str, Any]:
+        """The tensors a checkpoint copies: all the states (file), or the model's and optimizer's
+        by parameter name (DCP; the rest is rank 0's extra)."""
+        if self.dcp:
+            return checkpoint_dcp.tensors(self.states["model"], self.states["optimizer"])
+        return {key: stateful.state_dict() for key, stateful in self.states.items()}
+
+    def extra(self, step: int, rng: list[dict[str, Any]], val_loss: float | None) -> dict[str, Any]:
+        """What a checkpoint holds beside the snapshot's tensors: small, rank 0's."""
+        kept = [key for key in self.states if not (self.dcp and key in checkpoint_dcp.TENSORS)]
+        state = {key: self.states[key].state_dict() for key in kept}
+        state |= {"step": step, "rng": rng, "config": self.config, "options": self.options}
+        state["world_size"] = self.world.size
+        if self.global_batch:
+            state["global_batch"] = self.global_batch
+        if val_loss is not None:  # best.pt's bar; a step checkpoint's, should it become best.pt
+            state["val_loss"] = val_loss
+        if self.dcp:
+            state["format"] = "dcp"
+        return state
+
     def prepare(self) -> None:
         """Every rank, after the first step, when the optimizer's state exists: rank 0 pins its
         snapshot's buffers meanwhile, not during the first checkpoint, if the host has the
@@ -510,51 +601,52 @@ class Checkpointer:
         if not (self.enabled and self.asynchronous):
             return
         room = None
-        if self.world.main:
-            state = {key: s.state_dict() for key, s in self.states.items()}
-            room = snapshot_room(state_bytes(state), oom.available_memory())
+        if self.world.main or self.dcp:  # a DCP write: each rank stages its own copy
+            state = self.snapshot_state()
+            copies = self.world.local_size if self.dcp else 1  # of one node's memory
+            room = snapshot_room(state_bytes(state) * copies, oom.available_memory(),
+                                 "every rank of a node" if copies > 1 else "rank 0")  # fmt: skip
             if room is None:
                 self.snapshot.reserve(state)
-        if self.world.size > 1:  # every rank settles the same way: rank 0's verdict for all
-            verdict = [room]
-            dist.broadcast_object_list(verdict, src=0, group=self.group)
-            room = verdict[0]
+        if self.world.size > 1:  # every rank settles the same way: the first refusal for all
+            verdicts: list[Any] = [None] * self.world.size
+            dist.all_gather_object(verdicts, room, group=self.group)
+            room = next((verdict for verdict in verdicts if verdict), None)
         if room is not None:
             self.asynchronous = False
             if self.world.main:
                 log.warning("%s", room)
 
     def settle(self, saving: bool = False) -> None:
-        """Every rank: wait for rank 0's write in progress, if any, and raise CheckpointFailed
-        with its cause on every rank if it failed. `saving`: for the next write, which says so
-        when it had to wait."""
+        """Every rank: wait for the write in progress (rank 0's; each rank's share of a DCP
+        folder), if any, and raise CheckpointFailed with its cause on every rank if it failed.
+        `saving`: for the next write, which says so when it had to wait."""
         began = time.perf_counter()
         # Disk I/O, not a stalled collective: the others wait for it on the CPU group (whose
         # timeout is dist.checkpoint_timeout_s), with no GPU collective pending meanwhile.
         with self.watchdog.paused():
-            failure = None
-            if self.world.main:
-                writing = self.writer.path if self.writer.busy() else None
-                failure = self.writer.wait()
-                if writing and saving and self.asynchronous:  # it came before the write ended
-                    log.info("waited %.1f s for the write of %s to finish",
-                             time.perf_counter() - began, writing.relative_to(self.run_dir))  # fmt: skip
-            if self.world.size > 1:  # rank 0 is done: how it went, in place of a barrier
-                outcome = [failure]
-                dist.broadcast_object_list(outcome, src=0, group=self.group)
-                failure = outcome[0]
+            writing = self.writer.path if self.writer.busy() else None
+            failure = self.writer.wait()
+            if writing and saving and self.asynchronous and self.world.main:  # before it ended
+                log.info("waited %.1f s for the write of %s to finish",
+                         time.perf_counter() - began, writing.relative_to(self.run_dir))  # fmt: skip
+            if self.world.size > 1:  # every rank is done: how it went, in place of a barrier
+                outcomes: list[Any] = [None] * self.world.size
+                dist.all_gather_object(outcomes, failure, group=self.group)
+                failure = next((outcome for outcome in outcomes if outcome), None)
         self.stalled_s += time.perf_counter() - began
         if failure:
             raise CheckpointFailed(failure)
 
     def failed(self) -> bool:
-        """Rank 0: whether its last background write has ended in a failure settle() will raise.
+        """Whether this rank's last background write has ended in a failure settle() will raise.
         (The Trainer tells every rank through the next log window's all-reduce.)"""
         return self.writer.failure is not None
 
     def drain(self) -> None:
         """This rank alone, on the way out after an error: a write in progress ends (the state
-        it holds was good), and a failure of it is logged, not raised; the peers may be gone."""
+        it holds was good; a DCP share waits for its peers up to dist.checkpoint_timeout_s),
+        and a failure of it is logged, not raised; the peers may be gone."""
         failure = self.writer.wait()
         if failure and self.world.main:
             log.error("%s", failure)
@@ -574,6 +666,35 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_atomically(state, path)
         read(path, mmap=True)  # counted only once it reads back: raises if it does not
+        self.counted(path, step, val_loss, best, also_best, state)
+
+    def write_dcp_here(
+        self, path: Path, state: dict[str, Any], extra: dict[str, Any] | None, step: int,
+        val_loss: float | None, best: bool, also_best: bool,
+    ) -> None:  # fmt: skip
+        """Every rank, in its writer's thread: its share into a partial folder; rank 0 (`extra`
+        given) then adds the rest, renames the folder into place once it reads back, and keeps
+        the books as write_here() does."""
+        partial_folder = self.directory / f"{PARTIAL}{path.name}"
+        try:
+            checkpoint_dcp.save(partial_folder, state, self.writers, alone=self.world.size == 1)
+            if extra is None:
+                return
+            write_atomically(extra, partial_folder / checkpoint_dcp.EXTRA)
+            read(partial_folder, mmap=True)  # every rank's share is there, whole: raises if not
+            sync_directory(partial_folder)
+            replace_folder(partial_folder, path)
+        except BaseException:
+            if extra is not None:  # rank 0; DCP raises only once every rank is done
+                remove(partial_folder)
+            raise
+        self.counted(path, step, val_loss, best, also_best, extra)
+
+    def counted(
+        self, path: Path, step: int, val_loss: float | None, best: bool, also_best: bool,
+        state: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Rank 0, once `path` reads back: it is the newest, older ones go, best.pt follows."""
         if best:
             self.report_best(step, val_loss)
             return
@@ -587,11 +708,14 @@ class Checkpointer:
 
     def report_best(self, step: int, val_loss: float | None) -> None:
         log.info("best checkpoint %s: step %d, val_loss %.4f",
-                 (self.directory / BEST).relative_to(self.run_dir), step, val_loss)  # fmt: skip
+                 self.best_path.relative_to(self.run_dir), step, val_loss)  # fmt: skip
 
     def link_best(self, written: Path, state: dict[str, Any]) -> None:
         """best.pt as a hard link to the checkpoint just written, renamed into place; a copy
-        where the file system has no hard links."""
+        where the file system has no hard links. (best.dcp: a folder of links to its files.)"""
+        if is_dcp(written):
+            self.link_best_folder(written)
+            return
         partial_link = self.directory / f"{PARTIAL}best-{os.getpid()}.pt"
         try:
             os.link(written, partial_link)
@@ -602,9 +726,24 @@ class Checkpointer:
             log.info("best.pt: no hard link here (%s); written in full", err.strerror or err)
             write_atomically(state, self.directory / BEST)
 
+    def link_best_folder(self, written: Path) -> None:
+        partial_folder = self.directory / f"{PARTIAL}{BEST_DCP}"
+        remove(partial_folder)
+        partial_folder.mkdir()
+        try:
+            for file in written.iterdir():
+                os.link(file, partial_folder / file.name)
+        except OSError as err:
+            log.info("best.dcp: no hard links here (%s); copied", err.strerror or err)
+            remove(partial_folder)
+            shutil.copytree(written, partial_folder)
+        sync_directory(partial_folder)
+        replace_folder(partial_folder, self.best_path)
+
     def failure(self, path: Path, err: Exception) -> str:
-        """Rank 0's failed write as one line: the cause as the OS gave it (torch.save wraps an
-        OSError in a RuntimeError of its own), what is kept, what to do."""
+        """A failed write as one line: the cause as the OS gave it (torch.save wraps an OSError
+        in a RuntimeError of its own), the rank, what is kept, what to do."""
+        rank = getattr(err, "rank", self.world.rank)  # ShareFailed's: the rank that failed
         cause = next((e for e in causes(err) if isinstance(e, OSError)), err)
         reason = " ".join(str(cause).split())[:300] or type(cause).__name__
         kept = (
@@ -620,7 +759,7 @@ class Checkpointer:
             )
         else:
             todo = f"fix that and relaunch with hydra.run.dir={self.run_dir} to resume"
-        return f"rank 0 could not write {path}: {reason}; {kept}; {todo}"
+        return f"rank {rank} could not write {path}: {reason}; {kept}; {todo}"
 
     def gather_rng_states(self) -> list[dict[str, Any]]:
         """Every rank's RNG state, in rank order."""
@@ -634,8 +773,12 @@ class Checkpointer:
 
     @staticmethod
     def identity(path: Path) -> tuple[str, int, int]:
-        stat = path.stat()
-        return path.name, stat.st_size, stat.st_mtime_ns
+        """A version of a file, or of a DCP folder: its files' too (one rewritten in place
+        leaves the folder's own size and time as they were)."""
+        stats = [path.stat()]
+        if path.is_dir():
+            stats += [file.stat() for file in path.iterdir()]
+        return path.name, sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
 
     def reads_back(self, path: Path) -> bool:
         """Whether a file holds a checkpoint, checked once per version of the file."""
@@ -668,4 +811,4 @@ class Checkpointer:
         kept = set(sorted(readable, key=step_of)[-self.keep :]) | {written}
         for path in readable:
             if path not in kept:
-                path.unlink(missing_ok=True)
+                remove(path)

@@ -218,6 +218,11 @@ class Schedule(Enum):  # the learning rate after warm-up: schedule.learning_rate
     cosine = "cosine"  # half a cosine down to trainer.min_lr at trainer.max_steps
 
 
+class CheckpointFormat(Enum):
+    file = "file"  # one file by rank 0 (torch.save): the fastest on one node (BENCHMARKS.md)
+    dcp = "dcp"  # a folder every rank writes a share of (torch.distributed.checkpoint)
+
+
 class OnNonFinite(Enum):
     stop = "stop"  # end the run with a non-zero exit; the checkpoints stay as they were
     skip = "skip"  # drop the optimizer step of such a step (checks every step: one GPU sync each)
@@ -243,6 +248,7 @@ class TrainerConfig:
     checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     async_checkpoint: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    checkpoint_format: CheckpointFormat = field(default=MISSING, metadata=FREE_ON_RESUME)
     val_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
     val_batches: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)

@@ -3,6 +3,7 @@
     python -m {{ cookiecutter.package }}.evaluate ckpt=latest                          # the newest checkpoint of the newest run in outputs/
     python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>                   # the newest checkpoint of that run
     python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.pt data.batch_size=512
+    python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.dcp   # a folder: trainer.checkpoint_format=dcp
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.evaluate ckpt=latest
 
 The model and data are the checkpoint's own (its config, and the options it records: model=mlp,
@@ -53,6 +54,11 @@ def load(path: Path) -> dict[str, Any]:
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"ckpt={path}: {why}")
 
+    if checkpoint.is_dcp(path):
+        try:
+            return checkpoint.read(path)
+        except Exception as err:  # a share missing or cut short, no metadata: DCP's words
+            raise refuse(f"cannot be loaded: {' '.join(str(err).split())[:200]}") from None
     try:
         with path.open("rb") as file:
             head = file.read(len(ZIP))
@@ -130,6 +136,8 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
                 f"ckpt=latest: cannot list {outputs}/: {err.strerror or err}"
             ) from None
         none, where = f"no run under {outputs}/ has a checkpoint", f"under {outputs}/"
+    elif kind == "dir" and checkpoint.is_dcp(path):  # a step_<N>.dcp folder: one checkpoint
+        return path, load(path), ""
     elif kind == "dir":
         if path.name == "checkpoints" and not (path / "checkpoints").is_dir():
             path = path.parent  # the run's checkpoints/ folder named instead of the run

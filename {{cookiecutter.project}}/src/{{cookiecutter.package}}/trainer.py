@@ -22,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import compilation, ddp, metrics, perf, schedule, scoring
+from . import compilation, ddp, metrics, perf, process_group, schedule, scoring
 from .checkpoint import (
     Checkpointer,
     CheckpointFailed,
@@ -30,7 +30,7 @@ from .checkpoint import (
     Incompatible,
     Progress,
 )
-from .config import OnNonFinite, Precision, Schedule, TrainConfig
+from .config import CheckpointFormat, OnNonFinite, Precision, Schedule, TrainConfig
 from .data import build_dataset, build_loader, epoch_batches
 from .failfast import NO_WATCHDOG, Heartbeat
 from .global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
@@ -199,6 +199,11 @@ class Trainer:
             options=chosen(cfg),
             watchdog=watchdog,
             asynchronous=cfg.trainer.async_checkpoint,
+            checkpoint_format=cfg.trainer.checkpoint_format.value,
+            # a DCP write's collectives run in a thread: a CPU group of their own
+            writers=process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
+            if cfg.trainer.checkpoint_format is CheckpointFormat.dcp
+            else None,
         )
         self.checkpointer.global_batch = asdict(self.global_batch)
         self.preemption = Preemption(control, world)  # the step a stop signal ends the run at
