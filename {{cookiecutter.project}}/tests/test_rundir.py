@@ -500,7 +500,8 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
         "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",
         "dist.backend", "dist.bucket_cap_mb", "dist.checkpoint_timeout_s", "dist.gate_timeout_s",
         "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "dist.timeout_s", "logger.",
-        "nccl.", "trainer.accept_changes", "trainer.async_checkpoint", "trainer.checkpoint_every", "trainer.keep_best",
+        "nccl.", "trainer.accept_changes", "trainer.async_checkpoint", "trainer.checkpoint_every", "trainer.checkpoint_format",
+        "trainer.keep_best",
         "trainer.keep_checkpoints", "trainer.log_every", "trainer.max_steps", "trainer.on_nonfinite",
         "trainer.val_batches", "trainer.val_every",
     ]  # fmt: skip
