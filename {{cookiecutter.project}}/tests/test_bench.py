@@ -45,6 +45,23 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
     assert report["gradient_allreduce"]["busbw_gbps"] > 0
     assert 0 <= report["comm_hidden_share"] <= 1
     assert "template / reference" in out and "scaling efficiency 1 -> 2" in out
+    # the defaults' checkpoints and validations, every 100 steps, charged from the rows
+    cadence = report["cadence"]
+    assert cadence["every_steps"] == {"checkpoint": 100, "validation": 100}
+    assert cadence["checkpoint_s"] > 0 and cadence["validation_s"] > 0
+    assert 0 < report["goodput"] < 1
+    line = f"steady-state goodput at this config's cadence on 2 CPU processes: {report['goodput']:.3f}"
+    assert line in out
+
+
+def test_goodput_spreads_each_cost_over_the_steps_between_and_leaves_out_what_is_off():
+    cadence = {"every_steps": {"checkpoint": 500, "validation": 100}, "checkpoint_s": 0.5,
+               "validation_s": 0.2, "between_steps": 100}  # fmt: skip
+    # 0.1 s steps: 0.001 s of checkpoint and 0.002 s of validation per step
+    assert bench.steady_goodput(cadence, 100.0) == round(0.1 / 0.103, 4)
+    cadence["every_steps"]["validation"] = 0
+    assert bench.steady_goodput(cadence, 100.0) == round(0.1 / 0.101, 4)
+    assert bench.steady_goodput(None, 100.0) is None
 
 
 def test_both_loops_are_timed_over_the_log_windows_of_a_run_at_most_50_steps(compose_train):

@@ -16,7 +16,11 @@ first on 1 GPU (rank 0 alone, no DDP), then on all of them; the order within a p
 Step times drift between launches and within one, so every figure is a ratio within one pair:
 template / reference for 1 and N GPUs, and the scaling efficiency 1 -> N of each, as the median
 and range over the pairs. Also the time of one all-reduce of the fp32 gradients under the same
-NCCL settings. It prints a table and writes every figure as JSON (--json).
+NCCL settings. Then, on every process, what the config's checkpoints and validations cost
+(the template run again, checkpointing and validating every CADENCE_STEPS steps, each charged
+what its log rows say it held training up), and the steady-state goodput that makes at the
+config's own cadence: step time over step time plus that cost spread over the steps between.
+It prints a table and writes every figure as JSON (--json).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +56,9 @@ from .world import World
 
 PACKAGE = __package__
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
+# Between the measured checkpoints: room for a background write to end before the next save
+# (gpt2_small's 1.8 GiB took ~2.5 s on an H200, 100 steps 6.6 s), as at a real cadence.
+CADENCE_STEPS = 100
 RESULT_LINE = re.compile(r"^BENCH (\{.*\})$", re.MULTILINE)
 
 
@@ -142,6 +150,49 @@ def template_ms(
     return statistics.median(row["step_time_ms"] for row in rows if row["step"] > warmup)
 
 
+def cadence_costs(
+    cfg: TrainConfig,
+    world: World,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    run_dir: Path,
+) -> dict | None:
+    """What one checkpoint and one validation hold training up, as the config makes them (async
+    or not, either format), from the loop's own rows over 3 × CADENCE_STEPS steps: the median of
+    each; None on other ranks, or with neither on."""
+    every = {"checkpoint": cfg.trainer.checkpoint_every, "validation": cfg.trainer.val_every}
+    if not any(every.values()):
+        return None
+    window = cfg.trainer.log_every
+    between = whole_windows(CADENCE_STEPS, window)
+    measured = replace(
+        cfg.trainer,
+        max_steps=3 * between,
+        checkpoint_every=between if every["checkpoint"] else 0,
+        val_every=between if every["validation"] else 0,
+        keep_checkpoints=2,
+        keep_best=False,
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(replace(cfg, trainer=measured), world, device, run_dir, control)
+    if trainer.train():
+        sys.exit(trainer.preemption.signals.exit_code)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gpt2_small's: 2 GB each
+    if not world.main:
+        return None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # A checkpoint's stall lands in the row after its step's (the row is logged first); the
+    # last step's write is waited for by the run's end, not charged to a row.
+    saved = [row["checkpoint_s"] or 0.0 for row in rows if row["step"] - window in (between, 2 * between)]
+    scored = [row["val_time_s"] for row in rows if row["step"] % between == 0 and row["val_time_s"]]
+    return {
+        "between_steps": between,
+        "every_steps": every,
+        "checkpoint_s": statistics.median(saved) if every["checkpoint"] and saved else 0.0,
+        "validation_s": statistics.median(scored) if every["validation"] and scored else 0.0,
+    }
+
+
 def gradient_allreduce(parameters: int, device: torch.device, world: World) -> dict:
     """One all-reduce of fp32 gradients, as DDP's buckets add up to, back to back."""
     tensor = torch.ones(parameters, device=device)
@@ -198,6 +249,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                             torch.cuda.empty_cache()
                     dist.barrier(group=control)
                     times[n][loop].append(round(ms, 4))
+        cadence = cadence_costs(cfg, world, device, control, scratch / "cadence")
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.data)
         parameters = sum(p.numel() for p in model.parameters())
@@ -225,6 +277,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                 "window_steps": window,
                 "step_ms": {str(n): loops for n, loops in times.items()},
                 "gradient_allreduce": gradients,
+                "cadence": cadence,
             }
             print("BENCH " + json.dumps(result), flush=True)
         process_group.finish_together()
@@ -259,6 +312,7 @@ def figures(result: dict) -> dict:
         }
         for size in times
     } if result.get("flops_per_token") and result.get("peak_flops") else None  # fmt: skip
+    report["goodput"] = steady_goodput(result.get("cadence"), statistics.median(times[str(n)]["template"]))
     if n == 1:
         return report
     one, many = times["1"], times[str(n)]
@@ -285,6 +339,19 @@ def figures(result: dict) -> dict:
     report["exposed_comm_ms"] = round(exposed, 3)
     report["comm_hidden_share"] = round(min(1.0, max(0.0, hidden)), 3)
     return report
+
+
+def steady_goodput(cadence: dict | None, step_ms: float) -> float | None:
+    """Step time over step time plus what checkpoints and validations cost per step at the
+    config's cadence; None without either."""
+    if not cadence:
+        return None
+    lost = sum(
+        cadence[f"{what}_s"] / every
+        for what, every in cadence["every_steps"].items()
+        if every
+    )
+    return round(step_ms / 1e3 / (step_ms / 1e3 + lost), 4)
 
 
 def render(report: dict) -> str:
@@ -330,6 +397,19 @@ def render(report: dict) -> str:
             f"bandwidth; the {n}-{'GPU' if gpus else 'process'} step is "
             f"{report['exposed_comm_ms']:.2f} ms longer than one "
             f"({report['comm_hidden_share']:.0%} of the all-reduce hidden)",
+        ]
+    cadence = report.get("cadence")
+    if cadence and report.get("goodput") is not None:
+        every = cadence["every_steps"]
+        costs = [
+            f"a {what} every {every[what]} steps holds training {cadence[f'{what}_s']:.3f} s"
+            for what in ("checkpoint", "validation")
+            if every[what]
+        ]
+        lines += [
+            "",
+            f"steady-state goodput at this config's cadence on {on(n)}: {report['goodput']:.3f} "
+            f"({'; '.join(costs)}; measured every {cadence['between_steps']} steps)",
         ]
     lines += [f"noise: {note}" for note in report["noise"]]
     return "\n".join(lines)
