@@ -50,7 +50,9 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
     assert cadence["every_steps"] == {"checkpoint": 100, "validation": 100}
     assert cadence["checkpoint_s"] > 0 and cadence["validation_s"] > 0
     assert 0 < report["goodput"] < 1
-    line = f"steady-state goodput at this config's cadence on 2 CPU processes: {report['goodput']:.3f}"
+    line = (
+        f"steady-state goodput at this config's cadence on 2 CPU processes: {report['goodput']:.3f}"
+    )
     assert line in out
 
 
@@ -62,6 +64,15 @@ def test_goodput_spreads_each_cost_over_the_steps_between_and_leaves_out_what_is
     cadence["every_steps"]["validation"] = 0
     assert bench.steady_goodput(cadence, 100.0) == round(0.1 / 0.101, 4)
     assert bench.steady_goodput(None, 100.0) is None
+
+
+def test_costs_are_measured_at_the_configs_cadence_up_to_about_10_s_of_steps():
+    every = {"checkpoint": 2000, "validation": 500}
+    assert bench.cadence_steps(every, 2.9, 25) == 500  # the config's, the shorter of the two
+    assert bench.cadence_steps({"checkpoint": 2000, "validation": 0}, 2.9, 25) == 2000
+    assert bench.cadence_steps({"checkpoint": 500, "validation": 500}, 66.0, 25) == 175  # 10 s
+    assert bench.cadence_steps({"checkpoint": 500, "validation": 0}, 400.0, 25) == 100  # at least
+    assert bench.cadence_steps({"checkpoint": 30, "validation": 0}, 6.0, 25) == 50  # whole windows
 
 
 def test_both_loops_are_timed_over_the_log_windows_of_a_run_at_most_50_steps(compose_train):

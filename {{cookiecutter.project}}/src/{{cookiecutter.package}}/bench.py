@@ -17,7 +17,8 @@ Step times drift between launches and within one, so every figure is a ratio wit
 template / reference for 1 and N GPUs, and the scaling efficiency 1 -> N of each, as the median
 and range over the pairs. Also the time of one all-reduce of the fp32 gradients under the same
 NCCL settings. Then, on every process, what the config's checkpoints and validations cost
-(the template run again, checkpointing and validating every CADENCE_STEPS steps, each charged
+(the template run again, checkpointing and validating at the config's cadence, or every
+~10 s of steps if that is longer, for 3 of them, each charged
 what its log rows say it held training up), and the steady-state goodput that makes at the
 config's own cadence: step time over step time plus that cost spread over the steps between.
 It prints a table and writes every figure as JSON (--json).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -56,9 +58,11 @@ from .world import World
 
 PACKAGE = __package__
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
-# Between the measured checkpoints: room for a background write to end before the next save
-# (gpt2_small's 1.8 GiB took ~2.5 s on an H200, 100 steps 6.6 s), as at a real cadence.
+# Between the measured checkpoints: the config's own cadence, up to about CADENCE_S of steps
+# (at least CADENCE_STEPS): room for a background write to end before the next save, as at the
+# real cadence (gpt2_small's 1.8 GiB took ~2.5 s on an H200; 100 of its steps are 6.6 s).
 CADENCE_STEPS = 100
+CADENCE_S = 10.0
 RESULT_LINE = re.compile(r"^BENCH (\{.*\})$", re.MULTILINE)
 
 
@@ -150,21 +154,34 @@ def template_ms(
     return statistics.median(row["step_time_ms"] for row in rows if row["step"] > warmup)
 
 
+def cadence_steps(every: dict[str, int], step_ms: float, window: int) -> int:
+    """Steps between the measured checkpoints and validations (cadence_costs), in whole windows."""
+    longest = (
+        max(CADENCE_STEPS, math.ceil(CADENCE_S * 1e3 / step_ms)) if step_ms > 0 else CADENCE_STEPS
+    )
+    return whole_windows(min([longest, *(steps for steps in every.values() if steps)]), window)
+
+
 def cadence_costs(
     cfg: TrainConfig,
     world: World,
     device: torch.device,
     control: dist.ProcessGroup | None,
     run_dir: Path,
+    step_ms: float,
 ) -> dict | None:
     """What one checkpoint and one validation hold training up, as the config makes them (async
-    or not, either format), from the loop's own rows over 3 × CADENCE_STEPS steps: the median of
-    each; None on other ranks, or with neither on."""
+    or not, either format), from the loop's own rows over 3 × cadence_steps(): the median of
+    each; None on other ranks, or with neither on. `step_ms`: the template's, rank 0's."""
     every = {"checkpoint": cfg.trainer.checkpoint_every, "validation": cfg.trainer.val_every}
     if not any(every.values()):
         return None
     window = cfg.trainer.log_every
-    between = whole_windows(CADENCE_STEPS, window)
+    if world.size > 1:  # every rank trains the same steps: rank 0's figure for all
+        shared = [step_ms]
+        dist.broadcast_object_list(shared, src=0, group=control)
+        step_ms = shared[0]
+    between = cadence_steps(every, step_ms, window)
     measured = replace(
         cfg.trainer,
         max_steps=3 * between,
@@ -183,7 +200,9 @@ def cadence_costs(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # A checkpoint's stall lands in the row after its step's (the row is logged first); the
     # last step's write is waited for by the run's end, not charged to a row.
-    saved = [row["checkpoint_s"] or 0.0 for row in rows if row["step"] - window in (between, 2 * between)]
+    saved = [
+        row["checkpoint_s"] or 0.0 for row in rows if row["step"] - window in (between, 2 * between)
+    ]
     scored = [row["val_time_s"] for row in rows if row["step"] % between == 0 and row["val_time_s"]]
     return {
         "between_steps": between,
@@ -249,7 +268,8 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
                             torch.cuda.empty_cache()
                     dist.barrier(group=control)
                     times[n][loop].append(round(ms, 4))
-        cadence = cadence_costs(cfg, world, device, control, scratch / "cadence")
+        step_ms = statistics.median(times[world.size]["template"]) if world.main else 0.0
+        cadence = cadence_costs(cfg, world, device, control, scratch / "cadence", step_ms)
         with torch.device("meta"):
             model = build_model(cfg.model, cfg.data)
         parameters = sum(p.numel() for p in model.parameters())
@@ -312,7 +332,9 @@ def figures(result: dict) -> dict:
         }
         for size in times
     } if result.get("flops_per_token") and result.get("peak_flops") else None  # fmt: skip
-    report["goodput"] = steady_goodput(result.get("cadence"), statistics.median(times[str(n)]["template"]))
+    report["goodput"] = steady_goodput(
+        result.get("cadence"), statistics.median(times[str(n)]["template"])
+    )
     if n == 1:
         return report
     one, many = times["1"], times[str(n)]
@@ -347,9 +369,7 @@ def steady_goodput(cadence: dict | None, step_ms: float) -> float | None:
     if not cadence:
         return None
     lost = sum(
-        cadence[f"{what}_s"] / every
-        for what, every in cadence["every_steps"].items()
-        if every
+        cadence[f"{what}_s"] / every for what, every in cadence["every_steps"].items() if every
     )
     return round(step_ms / 1e3 / (step_ms / 1e3 + lost), 4)
 
