@@ -169,3 +169,12 @@ def test_a_full_disk_under_a_dcp_write_is_one_line_and_the_good_folders_stay(tmp
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_000000010.dcp"]  # the partial folder gone with the write
     assert checkpoint.read(tmp_path / "checkpoints" / names[0])["step"] == 10
+
+
+def test_a_folder_that_does_not_fit_the_model_is_one_line_naming_the_tensor(tmp_path):
+    checkpointer(tmp_path, torch.nn.Linear(4, 2)).write(10)
+    with pytest.raises(checkpoint.Incompatible) as refused:
+        checkpointer(tmp_path, torch.nn.Linear(4, 3)).load()
+    line = str(refused.value)
+    assert line.startswith("step_000000010.dcp does not fit this run's model and optimizer: ")
+    assert "torch.Size([2, 4])" in line and "weight" in line and "\n" not in line

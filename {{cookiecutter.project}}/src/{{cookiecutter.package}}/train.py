@@ -170,16 +170,16 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     world = World.from_env()
     timeline = Timeline(IMPORTED_AT)
     timeline.mark("config")  # Hydra's composing and the checks
-    compiling = cfg.trainer.compile and uses_cuda(cfg.dist.backend)  # compilation.compiles
+    cuda = uses_cuda(cfg.dist.backend)  # decided once: the device, compiling, the start-up line
+    compiling = cfg.trainer.compile and cuda  # compilation.compiles
     cache = compilation.keep_caches_in(run_dir) if compiling else None
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
-    cuda = uses_cuda(cfg.dist.backend)  # over gloo the line names nothing of NCCL's
-    timeline.mark(
+    timeline.mark(  # over gloo the line names nothing of NCCL's
         ("node probe" if cfg.nccl.auto else "NCCL environment") if cuda else "environment"
     )
-    device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+    device = process_group.select_device(cuda, world)
     exit_code = 0
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
 
