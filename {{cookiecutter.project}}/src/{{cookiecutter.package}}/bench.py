@@ -143,15 +143,28 @@ def template_ms(
 ) -> float:
     """The loop train runs, timed by its own log windows (rank 0's record); NaN on other ranks."""
     timed = replace(cfg.trainer, max_steps=warmup + steps, checkpoint_every=0, val_every=0)
+    rows = trained_rows(replace(cfg, trainer=timed), world, device, control, run_dir)
+    if rows is None:
+        return float("nan")
+    return statistics.median(row["step_time_ms"] for row in rows if row["step"] > warmup)
+
+
+def trained_rows(
+    cfg: TrainConfig,
+    world: World,
+    device: torch.device,
+    control: dist.ProcessGroup | None,
+    run_dir: Path,
+) -> list[dict] | None:
+    """The Trainer run with `cfg` in `run_dir`, and its metrics rows (rank 0's; None on others)."""
     # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(replace(cfg, trainer=timed), world, device, run_dir, control)
+    trainer = Trainer(cfg, world, device, run_dir, control)
     if trainer.train():  # stopped by a signal: every later timing would stop at once too
         sys.exit(trainer.preemption.signals.exit_code)
     if not world.main:
-        return float("nan")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(row["step_time_ms"] for row in rows if row["step"] > warmup)
+        return None
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def cadence_steps(every: dict[str, int], step_ms: float, window: int) -> int:
@@ -190,14 +203,10 @@ def cadence_costs(
         keep_checkpoints=2,
         keep_best=False,
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(replace(cfg, trainer=measured), world, device, run_dir, control)
-    if trainer.train():
-        sys.exit(trainer.preemption.signals.exit_code)
+    rows = trained_rows(replace(cfg, trainer=measured), world, device, control, run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gpt2_small's: 2 GB each
-    if not world.main:
+    if rows is None:
         return None
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # A checkpoint's stall lands in the row after its step's (the row is logged first); the
     # last step's write is waited for by the run's end, not charged to a row.
     saved = [

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.(pt|dcp)")
 BEST = "best.pt"  # trainer.keep_best's: not a step_ name, so no resume or keep policy touches it
 BEST_DCP = "best.dcp"  # best.pt's in the DCP format
-FORMATS = ("file", "dcp")  # config.CheckpointFormat's values
 PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
 REQUIRED = {"step", "model", "optimizer", "data"}
 
@@ -463,12 +462,14 @@ class Checkpointer:
             return None
         self.newest = Path(choice[0])
         # A DCP folder's tensors go straight into the model and optimizer, on any world size.
-        state = read(self.newest, mmap=is_dcp(self.newest))
+        dcp_folder = is_dcp(self.newest)
+        state = read(self.newest, mmap=dcp_folder)
+        if dcp_folder:
+            self.load_dcp(self.newest)
         for key, stateful in self.states.items():
-            if is_dcp(self.newest) and key in checkpoint_dcp.TENSORS:
-                if key == "model":
-                    self.load_dcp(self.newest)
-            elif state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
+            if dcp_folder and key in checkpoint_dcp.TENSORS:
+                continue
+            if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
                 try:
                     stateful.load_state_dict(state[key])
                 except (RuntimeError, ValueError, KeyError) as err:

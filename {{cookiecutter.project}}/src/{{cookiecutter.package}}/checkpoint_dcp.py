@@ -54,11 +54,6 @@ def one_cause() -> Iterator[None]:
         raise ShareFailed(rank, cause) from cause
 
 
-def is_checkpoint(path: Path) -> bool:
-    """Whether `path` is a DCP checkpoint folder (written whole: its metadata comes last)."""
-    return path.is_dir() and (path / ".metadata").is_file()
-
-
 def tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and optimizer's state keyed by parameter name, as DCP saves and loads it. The
     optimizer's state is made if no step has made it yet (a load needs tensors to fill)."""
