@@ -1,4 +1,4 @@
-"""tests/heartbeat.py: a line names the running tests whenever none has ended for a while, on the
+"""tests/heartbeat.py: a line names the running tests every 30 s, on the
 terminal, while the test's own output stays captured."""
 
 import os
@@ -19,10 +19,21 @@ def test_the_line_names_each_running_test_with_its_time_once_the_suite_is_quiet(
     assert beat.line(now=129.0) is None  # 29 s of quiet
     assert beat.line(now=130.0) == "[heartbeat] still running: test_a.py::test_long (40 s)"
     assert beat.line(now=131.0) is None  # the next one, 30 s on
+    assert beat.line(now=160.0) == "[heartbeat] still running: test_a.py::test_long (70 s)"
     beat.pytest_runtest_logfinish("test_a.py::test_long")
+    assert beat.line(now=beat.quiet_since + 30) == "[heartbeat] 1 test(s) ended in 30 s; between tests"
     assert (
         beat.line(now=beat.quiet_since + 30)
         == "[heartbeat] no test has ended for 30 s; between tests"
+    )
+    # Tests that keep ending do not silence it: pytest shows their dots only a full line at a time.
+    for _ in range(3):
+        beat.pytest_runtest_logstart("t")
+        beat.pytest_runtest_logfinish("t")
+    beat.pytest_runtest_logstart("test_b.py::test_next")
+    beat.running["test_b.py::test_next"] = beat.quiet_since + 28
+    assert beat.line(now=beat.quiet_since + 30) == (
+        "[heartbeat] 3 test(s) ended in 30 s; still running: test_b.py::test_next (2 s)"
     )
     now = beat.quiet_since + 30
     beat.running = {f"t{i}": now - 100 + i for i in range(6)}
