@@ -2,6 +2,7 @@
 the pods ask of a node, and where they may run, follows from the config."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,10 @@ BAD = [
     ),
     ("+deploy.node_selector.zone_=a", "deploy.node_selector.zone_: must be a label key"),
     ("+deploy.node_selector={zone:a/b}", "deploy.node_selector.zone=a/b: must be a label value"),
+    # A number's text is lost on the way in (1.10 reads as 1.1): the label would say another value.
+    ("deploy.pod_labels.version=1.10", "deploy.pod_labels.version=1.1: read as the number 1.1, which loses what was written"),
+    ("+deploy.node_selector={tier:1e3}", "deploy.node_selector.tier=1000.0: read as the number 1000.0"),
+    ("+deploy.pod_annotations={rev:2.50}", "deploy.pod_annotations.rev=2.5: read as the number 2.5"),
     ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
     (
         "deploy.flavor=trainjob deploy.priority_class=high",
@@ -283,6 +288,31 @@ def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
 
 ZONE_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
     {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]}]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_label_and_selector_values_reach_the_manifest_as_written(compose_train, flavor, tmp_path):
+    """YAML and Hydra type `true` and `2`; the GPU operator's label is `true`, not Python's 'True'.
+    A quoted '1.10' stays text. Both on the command line and in a YAML file the user edits."""
+    found = objects(
+        compose_train, f"deploy.flavor={flavor}", "+deploy.node_selector={nvidia.com/gpu.present:true}",
+        "deploy.pod_labels={version:'1.10',tier:2,spot:false}", "deploy.pod_annotations={rev:3}",
+    )  # fmt: skip
+    pod, workload = pod_and_workload(found, flavor)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    metadata = pod_template(workload, flavor)["metadata"]
+    assert {k: metadata["labels"][k] for k in ("version", "tier", "spot")} == {
+        "version": "1.10", "tier": "2", "spot": "false",
+    }  # fmt: skip
+    assert metadata["annotations"] == {"rev": "3"}
+    configs = tmp_path / "configs"
+    for group in ("deploy", "nccl"):
+        shutil.copytree(ROOT / "configs" / group, configs / group)
+    deploy = yaml.safe_load((configs / "deploy" / "default.yaml").read_text())
+    deploy["node_selector"] = {"nvidia.com/gpu.present": True}
+    (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump(deploy))
+    workload_file = f"{deploy['flavor']}.yaml"
+    assert "nvidia.com/gpu.present: 'true'" in render.from_files(configs, "auto")[workload_file]
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

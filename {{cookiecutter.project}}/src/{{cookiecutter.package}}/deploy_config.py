@@ -64,13 +64,14 @@ class DeployConfig:
     active_deadline_s: Optional[int] = MISSING
     guaranteed: bool = MISSING
     tolerations: List[Dict[str, Any]] = MISSING
-    node_selector: Dict[str, str] = MISSING
+    # Any: a value YAML or Hydra typed (true, 1.10) is checked as written, not re-typed as str
+    node_selector: Dict[str, Any] = MISSING
     affinity: Dict[str, Any] = MISSING
     one_pod_per_node: bool = MISSING
     extra_resources: Dict[str, int] = MISSING
     capabilities: List[str] = MISSING
-    pod_labels: Dict[str, str] = MISSING
-    pod_annotations: Dict[str, str] = MISSING
+    pod_labels: Dict[str, Any] = MISSING
+    pod_annotations: Dict[str, Any] = MISSING
     image_pull_secrets: List[str] = MISSING
     priority_class: Optional[str] = MISSING
     queue: Optional[str] = MISSING

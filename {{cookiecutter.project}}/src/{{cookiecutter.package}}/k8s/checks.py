@@ -14,6 +14,7 @@ from ..config_error import did_you_mean
 from .flavors import FLAVORS
 from .meta import (
     TOPOLOGY_ANNOTATIONS,
+    label_text,
     labels,
     quantity,
     topology_annotation,
@@ -108,7 +109,11 @@ def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[
         if not label_key_ok(name):
             found.append(f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} key "
                          "([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, letters, digits, '-', '_', '.')")  # fmt: skip
-        elif not isinstance(value, str) or (label_values and not label_value_ok(value)):
+        elif isinstance(value, float):
+            found.append(typed_value_error(key, name, value))
+        elif not isinstance(value, str | bool | int) or (
+            label_values and not label_value_ok(label_text(value))
+        ):
             allowed = (
                 "a label value (63 characters: letters, digits, '-', '_', '.')"
                 if label_values
@@ -116,6 +121,16 @@ def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[
             )
             found.append(f"deploy.{key}.{name}={value}: must be {allowed}")
     return found
+
+
+def typed_value_error(key: str, name: str, value: float) -> str:
+    """A value YAML or Hydra read as a float: what was written is lost (1.10 reads as 1.1, 1e3
+    as 1000.0), so rendering str(value) would put another value in the label than the user's."""
+    return (
+        f"deploy.{key}.{name}={value}: read as the number {value}, which loses what was written "
+        f"(1.10 reads as 1.1, 1e3 as 1000.0); quote it: \"deploy.{key}.{name}='<text>'\" on the "
+        f'command line, {name}: "<text>" in YAML'
+    )
 
 
 def name_ok(value: Any, pattern: re.Pattern, length: int) -> bool:

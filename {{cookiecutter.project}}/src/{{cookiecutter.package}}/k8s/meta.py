@@ -27,6 +27,19 @@ def labels(name: str) -> dict[str, str]:
     return {NAME_LABEL: name, COMPONENT_LABEL: "training"}
 
 
+def label_text(value: str | bool | int) -> str:
+    """A label or annotation value as the user wrote it: YAML and Hydra read `true` and `2` as a
+    bool and an int, and Python's str() would give 'True' (the GPU operator's labels say true).
+    k8s.checks refuses the values this cannot give back as written (a float: 1.10 reads as 1.1)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def label_texts(values: Mapping[str, Any]) -> dict[str, str]:
+    return {key: label_text(value) for key, value in values.items()}
+
+
 def optional(**values: Any) -> dict:
     """The fields whose value is set (not None)."""
     return {key: value for key, value in values.items() if value is not None}

@@ -13,6 +13,7 @@ from .meta import (
     HOSTNAME,
     NAME_LABEL,
     cpu_text,
+    label_texts,
     labels,
     manifest,
     optional,
@@ -165,9 +166,9 @@ def trainer_container(
 def pod_metadata(deploy: Mapping[str, Any]) -> dict:
     """The pods' labels (this project's, and deploy.pod_labels) and annotations
     (deploy.pod_annotations, and Kueue's topology request)."""
-    annotations = dict(deploy["pod_annotations"]) | topology_annotation(deploy)
+    annotations = label_texts(deploy["pod_annotations"]) | topology_annotation(deploy)
     return {
-        "labels": labels(deploy["name"]) | dict(deploy["pod_labels"]),
+        "labels": labels(deploy["name"]) | label_texts(deploy["pod_labels"]),
         **optional(annotations=annotations or None),
     }
 
@@ -200,7 +201,7 @@ def runs_claim_name(deploy: Mapping[str, Any]) -> str:
 def pod_spec(deploy: Mapping[str, Any], container: dict, restart: str = "Never") -> dict:
     scheduling = optional(
         priorityClassName=deploy["priority_class"],
-        nodeSelector=dict(deploy["node_selector"]) or None,
+        nodeSelector=label_texts(deploy["node_selector"]) or None,
         affinity=affinity(deploy),
         tolerations=[dict(t) for t in deploy["tolerations"]] or None,
         imagePullSecrets=[{"name": s} for s in deploy["image_pull_secrets"]] or None,
