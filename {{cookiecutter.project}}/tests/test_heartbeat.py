@@ -21,7 +21,9 @@ def test_the_line_names_each_running_test_with_its_time_once_the_suite_is_quiet(
     assert beat.line(now=131.0) is None  # the next one, 30 s on
     assert beat.line(now=160.0) == "[heartbeat] still running: test_a.py::test_long (70 s)"
     beat.pytest_runtest_logfinish("test_a.py::test_long")
-    assert beat.line(now=beat.quiet_since + 30) == "[heartbeat] 1 test(s) ended in 30 s; between tests"
+    assert (
+        beat.line(now=beat.quiet_since + 30) == "[heartbeat] 1 test(s) ended in 30 s; between tests"
+    )
     assert (
         beat.line(now=beat.quiet_since + 30)
         == "[heartbeat] no test has ended for 30 s; between tests"

@@ -147,9 +147,18 @@ BAD = [
     ("+deploy.node_selector.zone_=a", "deploy.node_selector.zone_: must be a label key"),
     ("+deploy.node_selector={zone:a/b}", "deploy.node_selector.zone=a/b: must be a label value"),
     # A number's text is lost on the way in (1.10 reads as 1.1): the label would say another value.
-    ("deploy.pod_labels.version=1.10", "deploy.pod_labels.version=1.1: read as the number 1.1, which loses what was written"),
-    ("+deploy.node_selector={tier:1e3}", "deploy.node_selector.tier=1000.0: read as the number 1000.0"),
-    ("+deploy.pod_annotations={rev:2.50}", "deploy.pod_annotations.rev=2.5: read as the number 2.5"),
+    (
+        "deploy.pod_labels.version=1.10",
+        "deploy.pod_labels.version=1.1: read as the number 1.1, which loses what was written",
+    ),
+    (
+        "+deploy.node_selector={tier:1e3}",
+        "deploy.node_selector.tier=1000.0: read as the number 1000.0",
+    ),
+    (
+        "+deploy.pod_annotations={rev:2.50}",
+        "deploy.pod_annotations.rev=2.5: read as the number 2.5",
+    ),
     ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
     (
         "deploy.flavor=trainjob deploy.priority_class=high",
@@ -452,10 +461,34 @@ def test_the_rendezvous_timeout_reaches_each_flavors_torchrun(compose_train, fla
 def test_a_queue_or_one_node_needs_no_admission_note(compose_train):
     """Without deploy.queue, pods that start hold their GPUs while one stays Pending: k8s says
     so for several nodes (tests/test_project_files.py), not for one, nor with a queue."""
-    several = ("deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany")
+    several = ("deploy.flavor=job", "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany")
     assert render.admission_note(deploy_of(compose_train, *several)).startswith("note: 2 pods")
-    assert render.admission_note(deploy_of(compose_train, "deploy.nodes=1")) is None
+    assert (
+        render.admission_note(deploy_of(compose_train, "deploy.flavor=job", "deploy.nodes=1"))
+        is None
+    )
     assert render.admission_note(deploy_of(compose_train, *several, "deploy.queue=team-a")) is None
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_queue_label_kueue_may_not_read_is_named(compose_train, flavor):
+    """Kueue's default configuration leaves the PyTorchJob and TrainJob integrations for the
+    platform to enable: without them the queue label does nothing, and the pods start at once."""
+    opt_in = {
+        "pytorchjob": "kubeflow.org/pytorchjob",
+        "trainjob": "trainer.kubeflow.org/trainjob",
+    }.get(flavor)
+    trainjob = ("deploy.rdzv_port=29500",) if flavor == "trainjob" else ()
+    queued = deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.queue=team-a", *trainjob)
+    note = render.admission_note(queued)
+    assert note == (None if opt_in is None else (
+        f"note: deploy.queue=team-a: Kueue manages a {FLAVORS[flavor].kind} only where the platform enabled "
+        f"its {opt_in} integration (Kueue's Configuration, integrations.frameworks); elsewhere the queue "
+        "label does nothing and the pods start unadmitted"
+    ))  # fmt: skip
+    several = deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2",
+                        "deploy.runs_access_mode=ReadWriteMany", *trainjob)  # fmt: skip
+    assert (opt_in is not None) == (f"its {opt_in} integration" in render.admission_note(several))
 
 
 def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, capsys):

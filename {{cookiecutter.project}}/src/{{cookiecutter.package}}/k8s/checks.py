@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config_error import did_you_mean
-from .flavors import FLAVORS
+from .flavors import FLAVORS, Flavor
 from .meta import (
     TOPOLOGY_ANNOTATIONS,
     label_text,
@@ -21,6 +21,7 @@ from .meta import (
 )
 
 NAME_MAX = 47  # pods are <name>-<index>-<5 characters> or <name>-node-0-<index>-<5>: within 63
+POD_NAME_MAX = 63  # a DNS label; each flavor's longest pod name is checked against it (nodes > 100)
 RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Services and TrainJobs: a letter first
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -302,7 +303,19 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         "topology_mode", f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
     )  # fmt: skip
     if flavor in FLAVORS:
+        found += pod_name_errors(name, nodes, FLAVORS[flavor])
         found += [
             f"deploy.{key}={deploy[key]}: {why}" for key, why in FLAVORS[flavor].cannot(deploy)
         ]
     return found
+
+
+def pod_name_errors(name: str, nodes: int, flavor: Flavor) -> list[str]:
+    """A pod name is a DNS label of 63 characters, and a controller's webhook refuses a workload
+    whose pods would not fit (JobSet's for 101 nodes and a 47-character name)."""
+    longest = flavor.pod_name(name, nodes)
+    if len(longest) <= POD_NAME_MAX:
+        return []
+    most = POD_NAME_MAX - (len(longest) - len(name))
+    return [f"deploy.name={name}: a {flavor.kind} of {nodes} nodes names a pod {longest} "
+            f"({len(longest)} characters; a pod name holds {POD_NAME_MAX}): at most {most} characters here"]  # fmt: skip

@@ -35,6 +35,11 @@ TRAINJOB_RUNTIME = "torch-distributed"
 TRAINER_NODE = "node"
 TRAINER_PORT = 29500
 TRAINJOB_LAUNCH = c10d_launch("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+# Who wrote a runtime patch. Trainer v2.3's webhook (pkg/runtime/framework/plugins/jobset/jobset.go)
+# requires a domain-prefixed path (apimachinery's IsDomainPrefixedPath, as Kueue's
+# kueue.x-k8s.io/manager) and fails closed on CREATE: the bare package name was refused.
+PATCH_MANAGER = f"ddp-template.local/{__package__.rpartition('.')[0]}"
+RANDOM_SUFFIX = "-abcde"  # the 5 characters a controller's generateName adds to a pod's name
 
 
 def job_spec(deploy: Deploy, env: Env, backoff_limit: int, rendezvous_host: str) -> dict:
@@ -206,7 +211,7 @@ def trainjob(deploy: Deploy, env: Env) -> dict:
         },
         "runtimePatches": [
             {
-                "manager": __package__,
+                "manager": PATCH_MANAGER,
                 "trainingRuntimeSpec": {
                     "template": {
                         "spec": {
@@ -253,25 +258,49 @@ def trainjob_cannot(deploy: Deploy) -> list[tuple[str, str]]:
     ]
 
 
+def job_pod_name(name: str, nodes: int) -> str:
+    """An Indexed Job's longest pod name: <job>-<index>-<random> (batch/v1's job controller)."""
+    return f"{name}-{nodes - 1}{RANDOM_SUFFIX}" if nodes > 1 else f"{name}{RANDOM_SUFFIX}"
+
+
+def jobset_pod_name(name: str, nodes: int) -> str:
+    """A JobSet's longest pod name, as JobSet v0.12's webhook checks it (pkg/webhooks/
+    jobset_webhook.go: GenPodName(jobset, replicated job, last job index, last pod index) plus
+    "-abcde", a DNS-1035 label): a TrainJob's JobSet has its name and the replicated Job "node"."""
+    return f"{name}-{REPLICATED_JOB}-0-{nodes - 1}{RANDOM_SUFFIX}"
+
+
+def pytorchjob_pod_name(name: str, nodes: int) -> str:
+    """The training operator's pod names, <job>-worker-<index> (common GenGeneralName): no suffix."""
+    return f"{name}-worker-{nodes - 1}"
+
+
 @dataclass(frozen=True)
 class Flavor:
     kind: str  # the workload's kind
     resource: str  # as kubectl names it: make k8s-apply deletes the project's workloads by it
     build: Callable[[Deploy, Env], dict]
     needs: str  # the controller a cluster must run, for the file's header; "" for none
+    # The longest pod name its controller makes, from deploy.name and deploy.nodes: within 63.
+    pod_name: Callable[[str, int], str]
     # The other objects it needs, by file name (a Job's Service, a TrainJob's ServiceAccount).
     companions: Callable[[Deploy], dict[str, dict]] = lambda deploy: {}
     cannot: Callable[[Deploy], list[tuple[str, str]]] = lambda deploy: []  # (key, why) it refuses
+    # Kueue's integration for the kind where a platform must enable it (Kueue's Configuration,
+    # integrations.frameworks; per Kueue's docs for PyTorchJob and TrainJob): without it the
+    # queue label does nothing. "" where Kueue's default configuration manages the kind.
+    kueue_opt_in: str = ""
 
 
 FLAVORS = {
-    "job": Flavor("Job", "jobs.batch", job, needs="",
+    "job": Flavor("Job", "jobs.batch", job, needs="", pod_name=job_pod_name,
                   companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {}),
-    "jobset": Flavor("JobSet", "jobsets.jobset.x-k8s.io", jobset,
+    "jobset": Flavor("JobSet", "jobsets.jobset.x-k8s.io", jobset, pod_name=jobset_pod_name,
                      needs="the JobSet controller (jobset.x-k8s.io)"),
-    "pytorchjob": Flavor("PyTorchJob", "pytorchjobs.kubeflow.org", pytorchjob,
-                         needs="the Kubeflow training operator (kubeflow.org/v1)"),
-    "trainjob": Flavor("TrainJob", "trainjobs.trainer.kubeflow.org", trainjob,
+    "pytorchjob": Flavor("PyTorchJob", "pytorchjobs.kubeflow.org", pytorchjob, pod_name=pytorchjob_pod_name,
+                         needs="the Kubeflow training operator (kubeflow.org/v1)", kueue_opt_in="kubeflow.org/pytorchjob"),
+    "trainjob": Flavor("TrainJob", "trainjobs.trainer.kubeflow.org", trainjob, pod_name=jobset_pod_name,
                        needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
-                       companions=lambda d: {"serviceaccount.yaml": service_account(d)}, cannot=trainjob_cannot),
+                       companions=lambda d: {"serviceaccount.yaml": service_account(d)}, cannot=trainjob_cannot,
+                       kueue_opt_in="trainer.kubeflow.org/trainjob"),
 }  # fmt: skip

@@ -72,14 +72,28 @@ def capabilities_note(deploy: Mapping[str, Any]) -> str | None:
             "pod-security.kubernetes.io/enforce=privileged, or ask its admin")  # fmt: skip
 
 
+def opt_in_text(deploy: Mapping[str, Any]) -> str:
+    framework, kind = FLAVORS[deploy["flavor"]].kueue_opt_in, FLAVORS[deploy["flavor"]].kind
+    return (f"Kueue manages a {kind} only where the platform enabled its {framework} integration "
+            "(Kueue's Configuration, integrations.frameworks); elsewhere the queue label does nothing") if framework else ""  # fmt: skip
+
+
 def admission_note(deploy: Mapping[str, Any]) -> str | None:
-    """Several pods with nothing to admit them together: the line that says what that risks."""
-    if deploy["nodes"] == 1 or deploy["queue"] is not None:
+    """Several pods with nothing to admit them together, or a queue label that Kueue may not read:
+    the line that says what that risks."""
+    opt_in = opt_in_text(deploy)
+    if deploy["queue"] is not None:
+        return (
+            f"note: deploy.queue={deploy['queue']}: {opt_in} and the pods start unadmitted"
+            if opt_in
+            else None
+        )
+    if deploy["nodes"] == 1:
         return None
     return (f"note: {deploy['nodes']} pods and no deploy.queue: nothing admits them together, so "
             f"the pods that start hold their GPUs while they wait, up to deploy.rdzv_timeout_s="
             f"{deploy['rdzv_timeout_s']} s, for one that stays Pending; set deploy.queue to a Kueue "
-            "LocalQueue to admit them as one")  # fmt: skip
+            "LocalQueue to admit them as one" + (f" ({opt_in})" if opt_in else ""))  # fmt: skip
 
 
 def notes(deploy: Mapping[str, Any]) -> list[str]:
