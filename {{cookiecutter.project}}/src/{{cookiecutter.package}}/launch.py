@@ -84,6 +84,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import get_args_parser, run
 
 from . import check, rundir
@@ -101,7 +102,7 @@ from .torchrun_args import (
     processes,
     split,
 )
-from .worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, SaidBelow, summary
+from .worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidBelow, summary
 from .world import LAUNCHED_AT_VAR, RUN_NAME_VAR, launched_at, run_name_for
 
 PACKAGE = __package__
@@ -270,6 +271,8 @@ def launch(args: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
     for name in TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(SaidBelow())
+    # torchrun's run() makes its agent by this name: ours retries no exit in exits.FAIL_AT_ONCE.
+    launcher_api.LocalElasticAgent = Agent
 
     def stopped(name: str) -> str:
         """The stop's line; a run dir this launch made and left with nothing of value goes."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import time
 
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from .exits import Exit, for_signal
+from .exits import FAIL_AT_ONCE, Exit, for_signal
 from .oom import MemoryWatch
 
 MEANING = {  # a worker's exit, as the launcher's last line names it
@@ -71,3 +74,31 @@ def summary(err: ChildFailedError, memory: MemoryWatch | None = None) -> tuple[s
         f"rank {rank} (pid {failure.pid}) exited with {failure.exitcode}: {meaning}",
         failure.exitcode,
     )
+
+
+# A round of workers that ran this long before failing had trained: its failure (a lost peer, as
+# a rule) costs a restart of a fresh --max-restarts budget, which limits failures in a row, not
+# over the job's life. Shorter rounds are a crash loop that the budget ends.
+HEALTHY_ROUND_S = 600
+
+
+class Agent(LocalElasticAgent):
+    """torchrun's agent, which restarts the workers in place on any failure (--max-restarts),
+    with two rules of this project's: a failure no retry fixes (exits.FAIL_AT_ONCE: a config
+    error, a divergence) is not retried, and a round that ran HEALTHY_ROUND_S gives the budget
+    back."""
+
+    round_started = 0.0
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        super()._initialize_workers(worker_group)
+        self.round_started = time.monotonic()
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            if any(f.exitcode in FAIL_AT_ONCE for f in result.failures.values()):
+                self._remaining_restarts = 0  # _invoke_run stops the workers and returns
+            elif time.monotonic() - self.round_started >= HEALTHY_ROUND_S:
+                self._remaining_restarts = worker_group.spec.max_restarts
+        return result
