@@ -161,6 +161,35 @@ BAD = [
     ),
     ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
     (
+        "deploy.env={WANDB_API_KEY:abc}",
+        "deploy.env.WANDB_API_KEY: looks like a secret, which k8s/ and the logs would hold in the clear; name it from a Secret instead: deploy.secret_env.WANDB_API_KEY=<secret>/<key>",
+    ),
+    (
+        "deploy.env={NCCL_DEBUG:INFO}",
+        "deploy.env.NCCL_DEBUG: an NCCL or gloo variable: set it with nccl.env.NCCL_DEBUG",
+    ),
+    ("deploy.env={HOME:/root}", "deploy.env.HOME: the launch line sets it"),
+    ("deploy.env={PET_NNODES:2}", "deploy.env.PET_NNODES: the launch line sets it"),
+    ("deploy.env={1X:a}", "deploy.env.1X: must be a variable name"),
+    ("deploy.env={LR:0.10}", "deploy.env.LR=0.1: read as the number 0.1"),
+    ("deploy.env={TEAM:[a]}", "deploy.env.TEAM=['a']: must be a string, a number or true/false"),
+    (
+        "deploy.secret_env={WANDB_API_KEY:wandb}",
+        "deploy.secret_env.WANDB_API_KEY=wandb: must be <Secret>/<key>",
+    ),
+    (
+        "deploy.secret_env={WANDB_API_KEY:Wandb/key}",
+        "deploy.secret_env.WANDB_API_KEY=Wandb/key: must be <Secret>/<key>",
+    ),
+    (
+        "deploy.env={TEAM:a} deploy.secret_env={TEAM:s/k}",
+        "deploy.env.TEAM: also in deploy.secret_env: keep one",
+    ),
+    (
+        "nccl.env.WANDB_API_KEY=x",
+        "nccl.env.WANDB_API_KEY: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _); other variables: deploy.env, or deploy.secret_env for a secret",
+    ),
+    (
         "deploy.flavor=trainjob deploy.priority_class=high",
         "deploy.priority_class=high: a TrainJob cannot set it",
     ),
@@ -322,6 +351,32 @@ def test_label_and_selector_values_reach_the_manifest_as_written(compose_train, 
     (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump(deploy))
     workload_file = f"{deploy['flavor']}.yaml"
     assert "nvidia.com/gpu.present: 'true'" in render.from_files(configs, "auto")[workload_file]
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_env_and_secrets_reach_the_trainer_on_every_flavor_and_no_secret_value_is_written(
+    compose_train, flavor
+):
+    """The W&B example: its project in the clear, its key from a Secret by name."""
+    trainjob = ("deploy.rdzv_port=29500",) if flavor == "trainjob" else ()
+    found = objects(
+        compose_train, f"deploy.flavor={flavor}", *trainjob,
+        "deploy.env={WANDB_PROJECT:vision,MLFLOW_TRACKING_URI:'http://mlflow:5000',WANDB_SILENT:true}",
+        "deploy.secret_env={WANDB_API_KEY:wandb/api-key,MLFLOW_TRACKING_TOKEN:mlflow/token}",
+    )  # fmt: skip
+    env = trainer_container(flavor, found[f"{flavor}.yaml"])["env"]
+    by_name = {e["name"]: e for e in env}
+    assert by_name["WANDB_PROJECT"] == {"name": "WANDB_PROJECT", "value": "vision"}
+    assert by_name["MLFLOW_TRACKING_URI"]["value"] == "http://mlflow:5000"
+    assert by_name["WANDB_SILENT"]["value"] == "true"
+    assert by_name["WANDB_API_KEY"] == {
+        "name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
+    }  # fmt: skip
+    assert by_name["MLFLOW_TRACKING_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "mlflow",
+        "key": "token",
+    }
+    assert len(by_name) == len(env)  # no variable twice
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

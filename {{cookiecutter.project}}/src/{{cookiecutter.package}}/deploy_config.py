@@ -73,6 +73,8 @@ class DeployConfig:
     pod_labels: Dict[str, Any] = MISSING
     pod_annotations: Dict[str, Any] = MISSING
     image_pull_secrets: List[str] = MISSING
+    env: Dict[str, Any] = MISSING
+    secret_env: Dict[str, str] = MISSING
     priority_class: Optional[str] = MISSING
     queue: Optional[str] = MISSING
     queue_priority: Optional[str] = MISSING

@@ -190,7 +190,8 @@ def config_errors(nccl_cfg: Any) -> list[str]:
     for var, value in nccl_cfg.env.items():
         if not TRACKED_VAR.fullmatch(var):
             errors.append(
-                f"nccl.env.{var}: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _)"
+                f"nccl.env.{var}: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _); "
+                "other variables: deploy.env, or deploy.secret_env for a secret"
             )
         elif var in field_of:
             errors.append(f"nccl.env.{var}: set it with {field_of[var]} instead")

@@ -24,7 +24,7 @@ NCCL_TEXT_KEY = re.compile(
 )
 # The deploy group's maps: their keys are the user's, so an override may add one.
 MAP_KEY = re.compile(
-    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations)[.=]"
+    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations|env|secret_env)[.=]"
 )
 SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
 

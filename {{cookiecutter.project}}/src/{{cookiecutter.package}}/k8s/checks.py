@@ -47,6 +47,14 @@ AFFINITY_KEYS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
 TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 SIZES = ("memory_per_gpu", "shm_size", "ephemeral_storage", "runs_storage")
+ADDED_LATER = {"env": {}, "secret_env": {}}  # keys a project rendered before them lacks
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # a Secret's data key
+NCCL_VARS = re.compile(r"(TORCH_)?NCCL_\w*|GLOO_\w*")
+SECRET_LIKE = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
+# What the trainer container's env already holds (k8s/pods.py and the launch lines).
+OWN_ENV = ("HOME", "PYTHONUNBUFFERED", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "POD_IP",
+           "JOB_COMPLETION_INDEX", "RDZV_HOST", "RDZV_PORT")  # fmt: skip
 
 
 def whole_number(value: Any, low: int, high: float = math.inf) -> bool:
@@ -134,6 +142,52 @@ def typed_value_error(key: str, name: str, value: float) -> str:
     )
 
 
+def env_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """deploy.env (plain values) and deploy.secret_env (<Secret>/<key>): names a container may
+    have that this project does not set itself, and no secret in the clear."""
+    found = []
+    for key in ("env", "secret_env"):
+        for var, value in deploy[key].items():
+            where = f"deploy.{key}.{var}"
+            if not isinstance(var, str) or not ENV_NAME.fullmatch(var):
+                found.append(
+                    f"{where}: must be a variable name (letters, digits, '_', not a digit first)"
+                )
+            elif NCCL_VARS.fullmatch(var):
+                found.append(
+                    f"{where}: an NCCL or gloo variable: set it with nccl.env.{var}, which the doctor and the report see"
+                )
+            elif var in OWN_ENV or var.startswith("PET_"):
+                found.append(
+                    f"{where}: the launch line sets it (allowed: any variable but {', '.join(OWN_ENV)} and PET_*)"
+                )
+            elif key == "env" and var in deploy["secret_env"]:
+                found.append(f"{where}: also in deploy.secret_env: keep one")
+            elif key == "env" and SECRET_LIKE.search(var):
+                found.append(
+                    f"{where}: looks like a secret, which k8s/ and the logs would hold in the clear; "
+                    f"name it from a Secret instead: deploy.secret_env.{var}=<secret>/<key> "
+                    "(kubectl create secret generic <secret> --from-literal=<key>=...)"
+                )
+            elif key == "env" and isinstance(value, float):
+                found.append(typed_value_error(key, var, value))
+            elif key == "env" and not isinstance(value, str | bool | int):
+                found.append(f"{where}={value}: must be a string, a number or true/false")
+            elif key == "secret_env" and not secret_ref_ok(value):
+                found.append(
+                    f"{where}={value}: must be <Secret>/<key>, such as wandb/api-key "
+                    "(a Secret's name, a DNS subdomain; a key: letters, digits, '-', '_', '.')"
+                )
+    return found  # fmt: skip
+
+
+def secret_ref_ok(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    secret, slash, key = value.partition("/")
+    return bool(slash) and name_ok(secret, DNS_SUBDOMAIN, 253) and name_ok(key, SECRET_KEY, 253)
+
+
 def name_ok(value: Any, pattern: re.Pattern, length: int) -> bool:
     return isinstance(value, str) and len(value) <= length and pattern.fullmatch(value) is not None
 
@@ -142,6 +196,10 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     """What is wrong in the deploy group, one line each (deploy.<key>=<value>: what is allowed).
     Runs before anything is rendered: a manifest is written whole or not at all."""
     found: list[str] = []
+    deploy = {
+        **ADDED_LATER,
+        **deploy,
+    }  # a project's configs/ from before a key existed (cruft update)
 
     def check(ok: Any, key: str, allowed: str) -> None:
         if not ok:
@@ -219,7 +277,8 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
     # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
     kinds = {"tolerations": list, "node_selector": Mapping, "affinity": Mapping, "extra_resources": Mapping,
-             "capabilities": list, "pod_labels": Mapping, "pod_annotations": Mapping, "image_pull_secrets": list}  # fmt: skip
+             "capabilities": list, "pod_labels": Mapping, "pod_annotations": Mapping, "image_pull_secrets": list,
+             "env": Mapping, "secret_env": Mapping}  # fmt: skip
     for key, kind in kinds.items():
         check(
             isinstance(deploy[key], kind),
@@ -274,6 +333,7 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
             found.append(
                 f"deploy.image_pull_secrets: {secret}: must be a Secret name (a DNS subdomain: a-z, 0-9, '-', '.')"
             )
+    found += env_errors(deploy)
     check(
         deploy["runs_access_mode"] == "ReadWriteMany" or deploy["runs_claim"] is not None or nodes == 1,
         "runs_access_mode", "several nodes share the run dir: ReadWriteMany, from a storage class "

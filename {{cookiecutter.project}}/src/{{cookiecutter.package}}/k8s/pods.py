@@ -142,17 +142,29 @@ def added_capabilities(deploy: Mapping[str, Any]) -> dict:
     return {"capabilities": READ_ONLY_ROOT["capabilities"] | {"add": list(deploy["capabilities"])}}
 
 
+def secret_env(deploy: Mapping[str, Any]) -> list[dict]:
+    """deploy.secret_env as secretKeyRefs: k8s/ names the Secret and key, never the value."""
+    refs = []
+    for var, ref in deploy["secret_env"].items():
+        secret, key = ref.split("/", 1)
+        refs.append({"name": var, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    return refs
+
+
 def trainer_container(
     deploy: Mapping[str, Any], env: Mapping[str, str], launch: Launch, name: str = "trainer"
 ) -> dict:
-    values = {**env, **FRESH_WORKER_STORE, "PYTHONUNBUFFERED": "1", **WRITABLE_HOME}
+    values = {**env, **label_texts(deploy["env"]), **FRESH_WORKER_STORE, "PYTHONUNBUFFERED": "1",
+              **WRITABLE_HOME}  # fmt: skip
     return {
         "name": name,
         "image": deploy["image"],
         "imagePullPolicy": deploy["image_pull_policy"],
         "command": launch.command,
         "args": launch.args,
-        "env": [{"name": var, "value": value} for var, value in values.items()] + launch.env,
+        "env": [{"name": var, "value": value} for var, value in values.items()]
+        + secret_env(deploy)
+        + launch.env,
         "resources": container_resources(deploy),
         "securityContext": READ_ONLY_ROOT | added_capabilities(deploy),
         "volumeMounts": [
