@@ -271,3 +271,24 @@ def test_make_test_is_the_fast_tier_and_every_skip_says_why():
     ]
     assert "-ra" in pytest_options["addopts"].split()
     assert any(marker.startswith("slow: ") for marker in pytest_options["markers"])
+
+
+def test_an_nccl_field_with_a_digit_in_its_name_is_written_like_any_other(tmp_path):
+    """nccl.p2p_disable was refused as "not the manifests' key": the key pattern had no digits."""
+    import shutil
+    import subprocess
+    import sys
+
+    project = tmp_path / "project"
+    shutil.copytree(
+        ROOT, project, ignore=shutil.ignore_patterns(".venv", "outputs", "*.egg-info", "build")
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s", "nccl.p2p_disable=true"],
+        cwd=project, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("wrote nccl.p2p_disable=true -> "), done.stdout
+    (container,) = [trainer_container(f, yaml.safe_load(p.read_text())) for p in (project / "k8s").glob("*.yaml")
+                    for f in [p.stem] if f in ("job", "jobset", "pytorchjob", "trainjob")]  # fmt: skip
+    assert {"name": "NCCL_P2P_DISABLE", "value": "1"} in container["env"]

@@ -22,7 +22,9 @@ from .sync import replace_all
 PACKAGE = __package__.rpartition(".")[0]
 # deploy.<field>, nccl=<profile>, nccl.<field>; or an entry of a map, such as deploy.pod_labels.team
 # or nccl.env.NCCL_ALGO (the + that adds it optional), which writes the map whole.
-OVERRIDE = re.compile(r"\+{0,2}(deploy\.[a-z_]+|nccl\.[a-z_]+|nccl)(\.[^=]+)?=(.*)", re.DOTALL)
+OVERRIDE = re.compile(
+    r"\+{0,2}(deploy\.[a-z_][a-z0-9_]*|nccl\.[a-z_][a-z0-9_]*|nccl)(\.[^=]+)?=(.*)", re.DOTALL
+)
 
 
 def indentation(text: str) -> tuple[int, int]:
