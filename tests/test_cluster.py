@@ -402,3 +402,67 @@ def test_k8s_apply_keeps_the_running_job_until_the_server_accepts_the_new_one_an
     assert kinds == [f"JobSet/{name}", f"PersistentVolumeClaim/{name}-runs-rwx"]
     assert cluster.get("persistentvolumeclaims", f"{name}-runs-rwx")["metadata"]["uid"] == before[f"{name}-runs-rwx"]
     cluster.kubectl("delete", "-n", NAMESPACE, mine, "-l", label, "--cascade=foreground", "--wait")
+
+
+def test_k8s_apply_refuses_pods_restricted_would_refuse_keeps_what_is_not_its_own_and_restarts_nothing_unchanged(
+    cluster, default_project, installed_default, tmp_path
+):
+    """`make k8s-apply` in sequence: a user's Job and Service with the project's name label only
+    are never deleted; an unchanged k8s/ restarts nothing; pods that PodSecurity restricted would
+    refuse are refused before anything changes, for a Job (the server's warning) and a JobSet (a
+    Pod's dry run: PodSecurity reads no JobSet); a new claim is named in a note; files the
+    renderer did not write are named in one line."""
+    project_run = project_make(cluster, default_project, installed_default, tmp_path)
+
+    def make(*args: str) -> subprocess.CompletedProcess:
+        return project_run("-s", *args)
+
+    def one_line(done: subprocess.CompletedProcess) -> str:
+        said = [line for line in done.stderr.splitlines() if not line.startswith("make: ")]
+        assert done.returncode != 0 and len(said) == 1, done.stdout + done.stderr
+        return said[0]
+
+    name = "ddp-project"
+    label = f"app.kubernetes.io/name={name}"
+    only_name = {"app.kubernetes.io/name": name}
+    pod = {"restartPolicy": "Never", "containers": [{"name": "eval", "image": "busybox"}]}
+    theirs = [
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-eval", "labels": only_name},
+         "spec": {"template": {"spec": pod}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-tensorboard", "labels": only_name},
+         "spec": {"selector": {"app": "tb"}, "ports": [{"port": 6006}]}},
+    ]  # fmt: skip
+    listed = json.dumps({"apiVersion": "v1", "kind": "List", "items": theirs})
+    cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", stdin=listed)
+    try:
+        done = make("k8s-apply")
+        assert done.returncode == 0, done.stderr[-3000:]
+        uid = cluster.get("job", name)["metadata"]["uid"]
+        again = make("k8s-apply")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"k8s/ is unchanged: job/{name} keeps running" in again.stdout
+        assert cluster.get("job", name)["metadata"]["uid"] == uid
+
+        for args, why in [("deploy.capabilities=[IPC_LOCK]", "would violate PodSecurity"),
+                          ("deploy.flavor=jobset", "jobset.yaml: its JobSet's pods would be refused")]:  # fmt: skip
+            line = one_line(make("k8s-apply", f"ARGS={args}"))
+            assert line.startswith("make k8s-apply: the server refuses k8s/, so the running job is left as it is:")
+            assert why in line and "IPC_LOCK" in line, line
+            assert cluster.get("job", name)["metadata"]["uid"] == uid
+
+        several = "deploy.capabilities=[] deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany"
+        switched = make("k8s-apply", f"ARGS={several}")
+        assert switched.returncode == 0, switched.stderr[-3000:]
+        assert f"waiting for job/{name}'s pods to stop (their grace period is 90 s)..." in switched.stdout
+        assert f"note: the runs claim changes from {name}-runs-rwo to {name}-runs-rwx" in switched.stdout
+        kept = cluster.kubectl("get", "-n", NAMESPACE, f"job/{name}-eval", f"service/{name}-tensorboard", "-o", "name")
+        assert kept.stdout.split() == [f"job.batch/{name}-eval", f"service/{name}-tensorboard"]
+
+        k8s = tmp_path / "ddp-project" / "k8s"
+        (k8s / "empty.yaml").write_text("# nothing\n")
+        (k8s / "two.yaml").write_text("kind: ConfigMap\n---\nkind: ConfigMap\n")
+        line = one_line(make("k8s-apply"))
+        assert "empty.yaml (no objects, not one)" in line and "two.yaml (2 objects, not one)" in line, line
+    finally:
+        cluster.kubectl("delete", "-n", NAMESPACE, "jobs,jobsets,services,persistentvolumeclaims,serviceaccounts",
+                        "-l", label, "--cascade=foreground", "--wait", ok=False)  # fmt: skip

@@ -835,4 +835,4 @@ def test_k8s_apply_with_a_bad_arg_stops_in_one_line_before_kubectl(default_proje
     assert good.returncode == 0, good.stderr
     assert (project / "k8s" / "service.yaml").is_file()  # what ARGS asked for is what was applied
     calls = (tmp_path / "kubectl.log").read_text().splitlines()
-    assert calls[0].startswith("create --dry-run=server") and calls[-1] == "apply -f k8s/"  # the server first
+    assert calls[0].startswith("apply --dry-run=server") and calls[-1] == "apply -f k8s/"  # the server first

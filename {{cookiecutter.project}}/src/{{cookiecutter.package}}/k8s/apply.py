@@ -2,21 +2,26 @@
 
     python -m {{ cookiecutter.package }}.k8s.apply      # after python -m {{ cookiecutter.package }}.k8s --check, as make k8s-apply runs it
 
-1. The API server checks every object of k8s/ first (a server-side dry run): the job under
-   another name of the same length, since a job's pods cannot change in place and the running
-   one is replaced, not updated. Until the server accepts the replacement, nothing is deleted.
+1. The API server checks every object of k8s/ first (a server-side dry run of kubectl apply, as
+   the real step sends it): the job under another name of the same length, since a job's pods
+   cannot change in place and the running one is replaced, not updated; and one of its pods as
+   a bare Pod, which PodSecurity judges (it only warns on a Job, and reads no JobSet, PyTorchJob
+   or TrainJob). Until the server accepts the replacement, nothing is deleted. A workload the
+   cluster runs exactly as k8s/ holds it (kubectl apply's last-applied record) keeps running.
 2. This project's jobs, of any flavor, are deleted (their pods get their grace period to
    checkpoint), and so are its Services and ServiceAccounts that k8s/ no longer holds: a JobSet
    takes over a Service of its name, and a stale one would select the old Job's pods. Claims are
    never deleted: they hold the runs.
 3. k8s/ is applied.
 
-What belongs to the project is what carries its label, app.kubernetes.io/name=<deploy.name>.
+What belongs to the project is what carries both its labels, app.kubernetes.io/name=<deploy.name>
+and app.kubernetes.io/component=training; k8s/ must hold only what the renderer writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -29,11 +34,13 @@ import yaml
 
 from ..exits import Exit
 from .flavors import FLAVORS
-from .meta import NAME_LABEL
+from .meta import COMPONENT_LABEL, NAME_LABEL, labels
 
 # The kinds this project renders that a new render may leave behind, as kubectl names them.
 WORKLOADS = {flavor.kind: flavor.resource for flavor in FLAVORS.values()}
 REPLACED_IF_STALE = {"Service": "services", "ServiceAccount": "serviceaccounts"}
+DURING_DRY_RUN = "during the server's dry run; "
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"  # what kubectl apply last sent
 
 
 class Refused(Exception):
@@ -61,15 +68,51 @@ DEFAULT_SERVER = "localhost:8080"  # what kubectl tries with no kubeconfig at al
 POINT_IT = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
 
 
+class TimedOut(Refused):
+    """A kubectl call that got no answer in its time."""
+
+
+CALL_TIMEOUT_S = 120  # a kubectl call that takes longer is stuck, not slow
+# A workload's pods get their grace period to checkpoint, then this long to be gone.
+DELETE_SLACK_S = 60
+# The server took the object but says its pods would be refused (PodSecurity warns on a Job).
+WOULD_BE_REFUSED = re.compile(r"^Warning: (would violate PodSecurity.*)$", re.MULTILINE)
+# The server's own reason; kubectl may print a dump of the object after it.
+SERVER_CAUSE = re.compile(
+    r'^(?:error: )?(Error from server.*|The \S+ "[^"]*" is invalid:.*)$', re.MULTILINE
+)
+
+
 def kubectl(*args: str, stdin: str | None = None) -> str:
-    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True)
+    timeout = CALL_TIMEOUT_S + waits_for(args)
+    try:
+        done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise TimedOut(f"kubectl {args[0]} got no answer in {timeout} s") from None
     if done.returncode != 0:
-        said = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         no_server = no_server_reached(done.stderr)
         if no_server:
             raise Unreachable(no_server)
-        raise Refused(f"kubectl {args[0]}: {said[-1]}")
+        raise Refused(f"kubectl {args[0]}: {cause(done.stderr, done.returncode)}")
+    warned = WOULD_BE_REFUSED.search(done.stderr)
+    if warned and "--dry-run=server" in args:
+        raise Refused(f"kubectl {args[0]}: the server would refuse its pods: {warned.group(1)}")
     return done.stdout
+
+
+def waits_for(args: tuple[str, ...]) -> int:
+    """The seconds a call's own --timeout lets it wait, beyond an answer's time."""
+    given = [a.removeprefix("--timeout=") for a in args if a.startswith("--timeout=")]
+    return int(given[0].removesuffix("s")) if given else 0
+
+
+def cause(stderr: str, returncode: int) -> str:
+    """The server's reason in kubectl's stderr, else kubectl's last line."""
+    found = SERVER_CAUSE.search(stderr)
+    if found:
+        return found.group(1).strip()
+    return (stderr.strip().splitlines() or [f"exit {returncode}"])[-1].strip()
 
 
 def no_server_reached(stderr: str) -> str | None:
@@ -129,79 +172,302 @@ def same_length_name(name: str) -> str:
     return name[:-1] + ("0" if name[-1] != "0" else "1")
 
 
-def server_check(objects: list[dict[str, Any]]) -> None:
-    """Raises Refused unless the server would take every object (admission, validation, webhooks)."""
-    for manifest in objects:
+class Foreign(Exception):
+    """k8s/ holds files the renderer did not write; the message names them."""
+
+
+def load(folder: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, object) of each manifest kubectl apply -f would read; Foreign names every file
+    that is not one object of one project in one namespace, as the renderer writes them."""
+    found, odd = [], []
+    for path in sorted(p for p in folder.iterdir() if p.suffix in {".yaml", ".yml", ".json"}):
+        try:
+            documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as error:
+            odd.append(f"{path.name} (not YAML: {str(error).splitlines()[0]})")
+            continue
+        if len(documents) != 1:
+            odd.append(f"{path.name} ({len(documents) or 'no'} objects, not one)")
+            continue
+        (manifest,) = documents
+        metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("labels"), dict):
+            odd.append(f"{path.name} (no metadata.labels)")
+            continue
+        found.append((path.name, manifest))
+    workloads = [m for _, m in found if m.get("kind") in WORKLOADS]
+    if len(workloads) == 1:
+        name = workloads[0]["metadata"]["labels"].get(NAME_LABEL)
+        namespace = workloads[0]["metadata"].get("namespace")
+        for file, manifest in found:
+            metadata = manifest["metadata"]
+            if not labels(str(name)).items() <= metadata["labels"].items():
+                odd.append(f"{file} (not labelled {NAME_LABEL}={name},{COMPONENT_LABEL}=training)")
+            elif metadata.get("namespace") != namespace:
+                odd.append(f"{file} (namespace {metadata.get('namespace')}, not {namespace})")
+    elif found:
+        kinds = ", ".join(
+            f"{file} ({m.get('kind')})" for file, m in found if m.get("kind") in WORKLOADS
+        )
+        odd.append(
+            f"{len(workloads)} workloads, not one: {kinds or 'none of ' + ', '.join(WORKLOADS)}"
+        )
+    if odd:
+        raise Foreign("; ".join(odd))
+    return found
+
+
+def pod_template(workload: dict[str, Any]) -> dict[str, Any] | None:
+    """The template of the workload's pods, as its controller makes them (for a TrainJob, the
+    runtime patch's pod with the trainer's container fields; the runtime's own part is not in it);
+    None where the workload has no such template (the server's dry run says what is wrong)."""
+    try:
+        return template_in(workload)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def template_in(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    kind = workload["kind"]
+    if kind == "Job":
+        return spec["template"]
+    if kind == "JobSet":
+        return spec["replicatedJobs"][0]["template"]["spec"]["template"]
+    if kind == "PyTorchJob":
+        return spec["pytorchReplicaSpecs"]["Worker"]["template"]
+    (patch,) = spec["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    template = node["template"]["spec"]["template"]
+    trainer = spec["trainer"]
+    fields = {"image": trainer.get("image"), "command": trainer.get("command"),
+              "args": trainer.get("args"), "env": trainer.get("env"),
+              "resources": trainer.get("resourcesPerNode")}  # fmt: skip
+    containers = [
+        c | {k: v for k, v in fields.items() if v is not None}
+        for c in template["spec"]["containers"]
+    ]
+    # its ServiceAccount is applied with k8s/: the check's pod takes the namespace's default
+    pod = {k: v for k, v in template["spec"].items() if k != "serviceAccountName"}
+    return {"metadata": template.get("metadata", {}), "spec": pod | {"containers": containers}}
+
+
+def claims_of(workload: dict[str, Any]) -> set[str]:
+    template = pod_template(workload)
+    volumes = (template["spec"].get("volumes") or []) if template else []
+    return {
+        v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v
+    }
+
+
+def server_check(objects: list[tuple[str, dict[str, Any]]]) -> None:
+    """Raises Refused unless the server would take every object (admission, validation, webhooks)
+    and the workload's pods (PodSecurity judges Pods only). The dry run is the real apply's:
+    kubectl apply, with the last-applied-configuration annotation it adds."""
+    for file, manifest in objects:
         if manifest["kind"] in WORKLOADS:
             renamed = {**manifest, "metadata": {**manifest["metadata"]}}
             renamed["metadata"]["name"] = same_length_name(manifest["metadata"]["name"])
-            kubectl(
-                "create", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(renamed)
-            )
+            dry_run(file, renamed)
+            template = pod_template(manifest)
+            if template is None:
+                continue
+            metadata = {"name": renamed["metadata"]["name"], "namespace": manifest["metadata"]["namespace"],
+                        "labels": template.get("metadata", {}).get("labels", {})}  # fmt: skip
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": metadata,
+                "spec": template["spec"],
+            }
+            try:
+                kubectl(
+                    "create", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(pod)
+                )
+            except Unreachable:
+                raise
+            except Refused as refused:
+                raise Refused(
+                    f"{file}: its {manifest['kind']}'s pods would be refused: {refused}"
+                ) from None
         else:  # applied in place: an existing claim must accept the change (most of its spec is fixed)
-            kubectl(
-                "apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(manifest)
-            )
+            dry_run(file, manifest)
 
 
-def to_delete(objects: list[dict[str, Any]], namespace: str, known: set[str]) -> list[str]:
-    """kind/name of the project's objects on the cluster that the apply replaces or leaves stale."""
-    (name,) = {manifest["metadata"]["labels"][NAME_LABEL] for manifest in objects}
-    rendered = {(REPLACED_IF_STALE.get(m["kind"]), m["metadata"]["name"]) for m in objects}
+def dry_run(file: str, manifest: dict[str, Any]) -> None:
+    try:
+        kubectl(
+            "apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(manifest)
+        )
+    except Unreachable:
+        raise
+    except Refused as refused:
+        raise Refused(f"{file}: {refused}") from None
+
+
+def on_cluster(namespace: str, known: set[str]) -> list[dict[str, Any]]:
+    """The objects of the kinds this project renders that carry its component label, any name."""
     found = []
     for resource in [*WORKLOADS.values(), *REPLACED_IF_STALE.values()]:
         if resource not in known:
             continue  # a CRD this cluster does not have: nothing of that kind to delete
-        names = kubectl(
-            "get", resource, "-n", namespace, "-l", f"{NAME_LABEL}={name}", "-o", "name"
-        ).split()
-        for kind_and_name in names:
-            if (
-                resource in WORKLOADS.values()
-                or (resource, kind_and_name.split("/", 1)[1]) not in rendered
-            ):
-                found.append(kind_and_name)
+        listed = kubectl(
+            "get", resource, "-n", namespace, "-l", f"{COMPONENT_LABEL}=training", "-o", "json"
+        )
+        found += (json.loads(listed) if listed.strip() else {}).get("items", [])
     return found
 
 
+def to_delete(objects: list[dict[str, Any]], there: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The project's objects on the cluster that the apply replaces or leaves stale: those that
+    carry all its labels (a user's <name>-eval Job with the name label alone is not its)."""
+    (workload,) = [m for m in objects if m["kind"] in WORKLOADS]
+    mine = labels(workload["metadata"]["labels"][NAME_LABEL]).items()
+    rendered = {(m["kind"], m["metadata"]["name"]) for m in objects}
+    return [
+        item
+        for item in there
+        if mine <= (item["metadata"].get("labels") or {}).items()
+        and (item["kind"] in WORKLOADS or (item["kind"], item["metadata"]["name"]) not in rendered)
+    ]
+
+
+def unchanged(workload: dict[str, Any], there: list[dict[str, Any]]) -> bool:
+    """Whether the cluster runs exactly this workload: kubectl apply's record of what it last sent."""
+    for item in there:
+        metadata = item["metadata"]
+        if (item["kind"], metadata["name"]) == (workload["kind"], workload["metadata"]["name"]):
+            sent = (metadata.get("annotations") or {}).get(LAST_APPLIED)
+            if sent is None or "deletionTimestamp" in metadata:
+                return False
+            try:
+                return as_sent(json.loads(sent)) == as_sent(json.loads(json.dumps(workload)))
+            except ValueError:
+                return False
+    return False
+
+
+def as_sent(manifest: dict[str, Any]) -> dict[str, Any]:
+    """kubectl apply records the object with an empty metadata.annotations where it had none."""
+    metadata = {
+        k: v for k, v in manifest.get("metadata", {}).items() if not (k == "annotations" and not v)
+    }
+    return manifest | {"metadata": metadata}
+
+
+def notes(workload: dict[str, Any], there: list[dict[str, Any]]) -> list[str]:
+    """What a user must know about the runs: a new claim starts empty, and a job under another
+    name keeps running."""
+    name, namespace = workload["metadata"]["name"], workload["metadata"]["namespace"]
+    claims = claims_of(workload)
+    said = []
+    old = [
+        i
+        for i in there
+        if i["kind"] in WORKLOADS and i["metadata"].get("labels", {}).get(NAME_LABEL) == name
+    ]
+    before = set().union(*(claims_of(i) for i in old)) - claims if old else set()
+    for claim in sorted(before):
+        (new,) = sorted(claims) or ["none"]
+        said.append(f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 on "
+                    f"the empty {new}; {claim} is kept with the old checkpoints: copy them over with a pod "
+                    f"that mounts both, or set deploy.runs_claim={claim} if its access mode suits")  # fmt: skip
+    others = [i for i in there if i["kind"] in WORKLOADS and i not in old and claims_of(i) & claims]
+    for other in others:
+        said.append(f"note: {other['kind']}/{other['metadata']['name']} in {namespace} mounts "
+                    f"{', '.join(sorted(claims_of(other) & claims))} too and keeps running (an earlier "
+                    f"deploy.name?): kubectl delete -n {namespace} {other['kind'].lower()}/{other['metadata']['name']} "
+                    "stops it")  # fmt: skip
+    if not old and not others:
+        said.append(f"note: nothing of {name} ran in {namespace}; a job of an earlier deploy.name or "
+                    f"deploy.namespace keeps running: kubectl get {','.join(WORKLOADS.values())} -A "
+                    f"-l {COMPONENT_LABEL}=training lists them")  # fmt: skip
+    return said
+
+
+def grace_s(item: dict[str, Any]) -> int:
+    if item["kind"] not in WORKLOADS:
+        return 0
+    try:
+        return int((pod_template(item) or {})["spec"].get("terminationGracePeriodSeconds", 30))
+    except (KeyError, TypeError, ValueError):
+        return 30
+
+
 def main(folder: Path = Path("k8s")) -> int:
+    def fail(line: str, code: int = Exit.FAILED) -> int:
+        print(f"make k8s-apply: {line}", file=sys.stderr)
+        return code
+
     if shutil.which("kubectl") is None:
-        print("make k8s-apply: kubectl is not on PATH", file=sys.stderr)
-        return Exit.FAILED
-    objects = [yaml.safe_load(path.read_text()) for path in sorted(folder.glob("*.yaml"))]
-    if not objects:
-        print(f"make k8s-apply: {folder}/ holds no manifests: python -m {__package__} writes them",
-              file=sys.stderr)  # fmt: skip
-        return Exit.FAILED
-    (namespace,) = {manifest["metadata"]["namespace"] for manifest in objects}
+        return fail("kubectl is not on PATH")
+    state = "nothing was changed"
     try:
-        server_check(objects)
-    except Unreachable as unreachable:
-        print(f"make k8s-apply: {unreachable}; nothing was changed", file=sys.stderr)
-        return Exit.FAILED
-    except KeyboardInterrupt:
-        print("make k8s-apply: stopped by SIGINT during the server's dry run; nothing was changed",
-              file=sys.stderr)  # fmt: skip
-        return Exit.INTERRUPTED
-    except Refused as refused:
-        print(f"make k8s-apply: the server refuses k8s/, so the running job is left as it is: {refused}",
-              file=sys.stderr)  # fmt: skip
-        return Exit.FAILED
-    try:
-        known = set(kubectl("api-resources", "-o", "name").split())
-        for kind_and_name in to_delete(objects, namespace, known):
-            cascade = ("--cascade=foreground", "--wait", "--ignore-not-found")
-            kubectl("delete", "-n", namespace, kind_and_name, *cascade)
-            print(f"deleted {kind_and_name}")
+        try:
+            files = load(folder) if folder.is_dir() else []
+        except Foreign as foreign:
+            return fail(f"{folder}/ holds what python -m {__package__} does not write: {foreign}; "
+                        "move those files out of it (kubectl apply -f them yourself); nothing was changed")  # fmt: skip
+        if not files:
+            return fail(f"{folder}/ holds no manifests: python -m {__package__} writes them")
+        objects = [manifest for _, manifest in files]
+        (workload,) = [m for m in objects if m["kind"] in WORKLOADS]
+        namespace = workload["metadata"]["namespace"]
+        state = DURING_DRY_RUN + "nothing was changed"
+        try:
+            server_check(files)
+        except Unreachable as unreachable:
+            return fail(f"{unreachable}; nothing was changed")
+        except Refused as refused:
+            return fail(f"the server refuses k8s/, so the running job is left as it is: {refused}")
+        state = "nothing was changed"
+        try:
+            known = set(kubectl("api-resources", "-o", "name").split())
+            there = on_cluster(namespace, known)
+        except Refused as refused:
+            return fail(f"{refused}; nothing was changed")
+        kind_and_name = f"{workload['kind'].lower()}/{workload['metadata']['name']}"
+        if unchanged(workload, there):
+            state = f"{folder}/ may be partly applied ({kind_and_name} keeps running): run make k8s-apply again"
+            kubectl(
+                "apply", "-f", f"{folder}/"
+            )  # the other objects, in place; the workload is as sent
+            print(f"k8s/ is unchanged: {kind_and_name} keeps running")
+            return Exit.OK
+        for line in notes(workload, there):
+            print(line)
+        state = f"{folder}/ is not applied: run make k8s-apply again"
+        for item in to_delete(objects, there):
+            old = f"{item['kind'].lower()}/{item['metadata']['name']}"
+            grace = grace_s(item)
+            if grace:
+                print(
+                    f"waiting for {old}'s pods to stop (their grace period is {grace} s)...",
+                    flush=True,
+                )
+            limit = grace + DELETE_SLACK_S
+            try:
+                kubectl("delete", "-n", namespace, old, "--cascade=foreground", "--wait",
+                        "--ignore-not-found", f"--timeout={limit}s")  # fmt: skip
+            except Unreachable:
+                raise
+            except Refused as refused:
+                if "timed out" not in str(refused) and not isinstance(refused, TimedOut):
+                    raise
+                return fail(f"{old} is still there after {limit} s ({refused}): kubectl get pods -n {namespace} "
+                            f"-l {NAME_LABEL}={workload['metadata']['labels'][NAME_LABEL]} shows what is left; a "
+                            "pod stuck Terminating on a lost node needs kubectl delete pod --force; "
+                            f"{folder}/ is not applied: run make k8s-apply again")  # fmt: skip
+            print(f"deleted {old}")
+        state = f"{folder}/ may be partly applied: run make k8s-apply again"
         print(kubectl("apply", "-f", f"{folder}/"), end="")
     except Refused as refused:
-        print(f"make k8s-apply: {refused}; {folder}/ is not applied: run make k8s-apply again",
-              file=sys.stderr)  # fmt: skip
-        return Exit.FAILED
-    except KeyboardInterrupt:  # the old job may be gone already: say what is left to do
-        print(f"make k8s-apply: stopped by SIGINT; {folder}/ is not applied: run make k8s-apply again",
-              file=sys.stderr)  # fmt: skip
-        return Exit.INTERRUPTED
+        return fail(f"{refused}; {state.removeprefix(DURING_DRY_RUN)}")
+    except KeyboardInterrupt:  # at any phase: one line saying what is left to do
+        return fail(
+            f"stopped by SIGINT{'' if state.startswith(DURING_DRY_RUN) else ';'} {state}",
+            Exit.INTERRUPTED,
+        )
     return Exit.OK
 
 
