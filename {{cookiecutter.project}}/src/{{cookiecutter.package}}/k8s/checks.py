@@ -52,7 +52,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # a Secret's data key
 NCCL_VARS = re.compile(r"(TORCH_)?NCCL_\w*|GLOO_\w*")
 SECRET_LIKE = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
-# What the trainer container's env already holds (k8s/pods.py and the launch lines).
+# What the trainer container's env already holds (pods.py and the launch lines).
 OWN_ENV = ("HOME", "PYTHONUNBUFFERED", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "POD_IP",
            "JOB_COMPLETION_INDEX", "RDZV_HOST", "RDZV_PORT")  # fmt: skip
 
