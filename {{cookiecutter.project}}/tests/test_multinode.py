@@ -122,6 +122,7 @@ def hosts() -> Iterator:
                 for i, ns in enumerate(netns)
             ]
 
+        two_hosts.netns, two_hosts.veth, two_hosts.addresses = netns, veth, addresses
         yield two_hosts
         for ns in netns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -454,6 +455,22 @@ def lose_pod(node: subprocess.Popen) -> int:
     return 128 + signal.SIGKILL
 
 
+def lose_node_silently(hosts, index: int, node: subprocess.Popen) -> None:
+    """Node `index` goes as a node lost without a word does (powered off, its link cut): its
+    link goes down first, so that nothing its processes' deaths send (FIN, RST) reaches the
+    others, then its pod's processes are killed. Its pod IP goes with it; the link comes back up
+    with a new one for the replacement pod, which the DNS names (hosts files) now reach. Packets
+    for the old IP find no host: nothing answers them, not even with a reset."""
+    ns, veth, old = hosts.netns[index], hosts.veth[index], hosts.addresses[index]
+    subprocess.run(["ip", "-n", ns, "link", "set", veth, "down"], check=True)
+    lose_pod(node)
+    new = f"{SUBNET}.{index + 1 + NODES}"
+    for step in (["addr", "del", f"{old}/24", "dev", veth], ["addr", "add", f"{new}/24", "dev", veth],
+                 ["link", "set", veth, "up"]):  # fmt: skip
+        subprocess.run(["ip", "-n", ns, *step], check=True)
+    hosts.addresses[index] = new
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a first checkpoint, then one after each of three resumes, then the end
 def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_cost_nothing(
@@ -512,6 +529,46 @@ def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_co
     ][-3000:]
     job, _ = rendered_pods("job", 1, *deploy)
     assert [pod_failure_verdict(job, code, disrupted=True) for code in lost] == ["Ignore", "Ignore"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a first checkpoint, a replacement 30 s after the loss, then the end
+def test_pod_0_lost_silently_is_given_up_within_the_timeout_and_its_replacement_joined(
+    hosts, tmp_path, figure
+):
+    """Pod 0's node goes silent (link down, then its IP gone): nothing resets the survivor's
+    connections to the rendezvous store, which torchrun's agent reads with no timeout of its
+    own, so the kernel would retransmit for about 16 minutes (tcp_retries2) while the
+    replacement pod times out waiting for it. With deploy.rdzv_timeout_s=60 the survivor's
+    launcher gives the silent host up at 30 s, saying so while it waits, joins the replacement
+    that starts 30 s after the loss at a new IP, and every rank resumes from the newest
+    checkpoint, to the end: no pod of the survivor fails."""
+    if not hasattr(hosts, "netns"):
+        pytest.skip("needs network namespaces (root): a node lost silently is a link cut")
+    run_dir = tmp_path / "run"
+    port = free_port()
+    deploy = ("deploy.rdzv_timeout_s=60",)
+    start = dict(port=port, gpus=1, deploy=deploy)
+    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, "dist.timeout_s=15", **start)
+    wait_for_checkpoint(nodes, run_dir)
+    lost_at = time.monotonic()
+    lose_node_silently(hosts, 0, nodes[0])
+    time.sleep(max(0.0, 30 - (time.monotonic() - lost_at)))  # the replacement pod's start
+    (replacement,) = launch_nodes(hosts, "job", tmp_path, run_dir, *STEPS, only=0, **start)
+    nodes = [replacement, nodes[1]]
+    wait_for_checkpoint(nodes, run_dir, after_resume=1)
+    training_again = time.monotonic() - lost_at
+    outputs = finish(nodes, timeout=300)
+    assert_resumed_and_finished(nodes, outputs, run_dir, world_size=NODES)
+    survivor = outputs[1]
+    waiting = re.findall(r"the rendezvous host \S+ \(pod 0\) has not answered for (\d+) s; this node "
+                         r"gives it up at 30 s", survivor)  # fmt: skip
+    assert waiting[:2] == ["10", "20"], survivor[-3000:]
+    joined = re.findall(r"lost the rendezvous at .*", survivor)
+    assert len(joined) == 1, survivor[-3000:]
+    assert "joining its replacement's, for up to 60 s" in joined[0], survivor[-3000:]
+    figure(f"pod 0 lost silently (deploy.rdzv_timeout_s=60, its replacement 30 s later): training "
+           f"again, resumed, {training_again:.0f} s after the loss")  # fmt: skip
 
 
 # Installed as sitecustomize in a node's processes: the seconds torchrun's run() took in its

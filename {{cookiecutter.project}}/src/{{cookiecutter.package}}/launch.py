@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -83,7 +83,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_PORT
+from torch.distributed.elastic.rendezvous.utils import (
+    _parse_rendezvous_config,
+    parse_rendezvous_endpoint,
+)
 from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import get_args_parser, run
 
@@ -92,6 +96,7 @@ from .oom import MemoryWatch, children
 from .overrides import exit_with_error
 from .run_dir_plan import explicit_run_dir, new_part, of_value, planned_run_dir, remove_empty
 from .startup import TORCHRUN_AT_VAR
+from .store_liveness import StoreLiveness
 from .torchrun_args import (
     RENDEZVOUS,
     ArgumentError,
@@ -115,6 +120,17 @@ RDZV_DEFAULTS = {"read_timeout": 60, "join_timeout": 600}
 
 def rendezvous_timeout(parsed: argparse.Namespace, key: str) -> int:
     return int(_parse_rendezvous_config(parsed.rdzv_conf).get(key, RDZV_DEFAULTS[key]))
+
+
+def store_liveness(
+    parsed: argparse.Namespace, one_node: bool, say: Callable[[str], None]
+) -> StoreLiveness | nullcontext:
+    """Bounds this node's connections to the rendezvous host (store_liveness.py): half of
+    read_timeout to give a silent host up, the other half at least for its replacement."""
+    if one_node or parsed.rdzv_backend != "c10d":
+        return nullcontext()
+    _, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=C10D_PORT)
+    return StoreLiveness(port, rendezvous_timeout(parsed, "read_timeout") / 2, say)
 
 
 def rendezvous_problem(parsed: argparse.Namespace, err: RendezvousError) -> str:
@@ -287,7 +303,11 @@ def launch(args: list[str]) -> int:
     def say(line: str) -> None:
         print(f"{COMMAND} train{line}", file=sys.stderr, flush=True)
 
-    with MemoryWatch(config, local_size) as memory, stops_held_for_workers():
+    with (
+        MemoryWatch(config, local_size) as memory,
+        store_liveness(parsed, one_node, say),
+        stops_held_for_workers(),
+    ):
         while True:
             seen = set(memory.last)
             try:
