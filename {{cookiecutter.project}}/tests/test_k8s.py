@@ -272,6 +272,24 @@ def test_out_outside_the_project_is_refused_unless_forced(tmp_path):
     assert (out / "runs-pvc.yaml").exists()
 
 
+def test_k8s_from_a_folder_of_the_project_writes_the_projects_k8s(tmp_path):
+    """Run from src/ or tests/, the render reads the project's configs/ and writes k8s/ beside
+    them, where make k8s-apply reads it, not a k8s/ in that folder."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copy(ROOT / "pyproject.toml", project)
+    (project / "src").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s"],
+        cwd=project / "src",
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote ../k8s/{deploy_defaults()['flavor']}.yaml")
+    assert (project / "k8s" / "runs-pvc.yaml").exists() and not (project / "src" / "k8s").exists()
+
+
 def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypatch):
     """k8s/ is rendered on a laptop or in CI for a GPU cluster: no torch import, no GPU check."""
     out = tmp_path / "k8s"
