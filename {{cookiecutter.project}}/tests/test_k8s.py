@@ -290,6 +290,39 @@ def test_k8s_from_a_folder_of_the_project_writes_the_projects_k8s(tmp_path):
     assert (project / "k8s" / "runs-pvc.yaml").exists() and not (project / "src" / "k8s").exists()
 
 
+def test_an_override_that_configs_local_shadows_is_refused_in_one_line(tmp_path):
+    """configs/local/default.yaml is composed after configs/deploy/ and configs/nccl/: an override
+    written there under a key local sets would vanish at the next render. Refused, nothing
+    written; a key local leaves alone is written as before."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copy(ROOT / "pyproject.toml", project)
+    local = project / "configs" / "local" / "default.yaml"
+    local.write_text(
+        "# @package _global_\ndefaults:\n  - override /nccl: socket\ndeploy:\n  gpus_per_node: 2\n"
+    )
+    configs = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s"]
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    for override, shadow, path in [
+        ("deploy.gpus_per_node=4", "deploy.gpus_per_node", deploy_file),
+        ("nccl=pcie_safe", "its nccl profile", project / "configs" / "train.yaml"),
+    ]:
+        done = subprocess.run([*command, override], cwd=project, capture_output=True, text=True)
+        assert done.returncode == 2
+        assert done.stderr == (
+            f"error: {override}: configs/local/default.yaml sets {shadow} too, which wins over {path}: "
+            "change it there; nothing was written\n"
+        )
+        assert {p: p.read_text() for p in (project / "configs").rglob("*.yaml")} == configs
+        assert not (project / "k8s").exists()
+    done = subprocess.run(
+        [*command, "deploy.rdzv_timeout_s=600"], cwd=project, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(deploy_file.read_text())["rdzv_timeout_s"] == 600
+
+
 def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypatch):
     """k8s/ is rendered on a laptop or in CI for a GPU cluster: no torch import, no GPU check."""
     out = tmp_path / "k8s"
