@@ -600,8 +600,11 @@ def test_a_pod_on_a_lost_node_is_replaced_only_once_the_node_is_out_of_service(
             c for c in pod["status"]["conditions"] if c["type"] == "DisruptionTarget"
         ).items()
         wait_for("the Job to count it terminating", lambda: cluster.get("job", name)["status"].get("terminating") == 1)
-        time.sleep(5)  # a Job that replaced Terminating pods would have by now: it saw this one
+        # Without podFailurePolicy (TerminatingOrFailed) the Job counts a Terminating pod as failed
+        # and replaces it after its first backoff, 10 s (pkg/controller/job: DefaultJobPodFailureBackOff).
+        time.sleep(20)
         assert [p["metadata"]["name"] for p in pods_0()] == [first]
+        assert "failed" not in cluster.get("job", name)["status"]
 
         cluster.kubectl("taint", "node", lost, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
         (new,) = wait_for("pod 0's replacement", lambda: [p for p in pods_0() if p["metadata"]["name"] != first])
