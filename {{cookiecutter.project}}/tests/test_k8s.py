@@ -460,7 +460,7 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
     assert pod_template(workload, flavor)["metadata"]["annotations"] == {
         "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-rack"
     }
-    assert pod["tolerations"] == [toleration, *lost_node_tolerations(60)]
+    assert pod["tolerations"] == [*lost_node_tolerations(60), toleration]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     name = workload["metadata"]["name"]
     assert pod["affinity"] == ZONE_AFFINITY | {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
@@ -519,6 +519,15 @@ def test_a_lost_node_evicts_every_flavors_pods_after_deploy_lost_node_s(compose_
     assert pod["tolerations"] == lost_node_tolerations(15)
     pod, _ = pod_and_workload(objects(compose_train, *several, "deploy.lost_node_s=null"), flavor)
     assert "tolerations" not in pod
+    # First: the taint eviction controller takes the first toleration that matches a taint
+    # (k8s.io/api/core/v1 helper GetMatchingTolerations), and a wildcard matches every taint.
+    wildcard = (
+        "deploy.tolerations=[{operator:Exists},{key:node.kubernetes.io/unreachable,operator:Exists,effect:NoSchedule}]",
+    )
+    pod, _ = pod_and_workload(
+        objects(compose_train, *several, "deploy.lost_node_s=15", *wildcard), flavor
+    )
+    assert pod["tolerations"][:2] == lost_node_tolerations(15) and len(pod["tolerations"]) == 4
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

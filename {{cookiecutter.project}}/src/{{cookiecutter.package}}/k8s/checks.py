@@ -296,7 +296,12 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         return found
     for index, toleration in enumerate(deploy["tolerations"]):
         found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
-        if isinstance(toleration, Mapping) and toleration.get("key") in LOST_NODE_TAINTS:
+        # as DefaultTolerationSeconds reads a toleration of them; one after ours would never be used
+        if (
+            isinstance(toleration, Mapping)
+            and toleration.get("key") in LOST_NODE_TAINTS
+            and toleration.get("effect", "") in ("", "NoExecute")
+        ):
             found.append(f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
                          "instead, which tolerates both of a lost node's taints")  # fmt: skip
     found += map_errors(deploy, "node_selector", label_values=True)

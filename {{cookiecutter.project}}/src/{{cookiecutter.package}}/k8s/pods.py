@@ -232,7 +232,9 @@ def lost_node_tolerations(deploy: Mapping[str, Any]) -> list[dict]:
 
 
 def pod_spec(deploy: Mapping[str, Any], container: dict, restart: str = "Never") -> dict:
-    tolerations = [dict(t) for t in deploy["tolerations"]] + lost_node_tolerations(deploy)
+    # Ours first: the taint eviction controller goes by the first toleration that matches each taint
+    # (GetMatchingTolerations), so a wildcard of deploy.tolerations cannot outlast deploy.lost_node_s.
+    tolerations = lost_node_tolerations(deploy) + [dict(t) for t in deploy["tolerations"]]
     scheduling = optional(
         priorityClassName=deploy["priority_class"],
         nodeSelector=label_texts(deploy["node_selector"]) or None,
