@@ -250,6 +250,9 @@ def test_the_hooks_plain_yaml_path_refuses_the_same_way(tmp_path):
         ("image_pull_secrets", "ghcr-pull", "must be a list"),
         ("guaranteed", "yes", "must be true or false"),
         ("one_pod_per_node", 1, "must be true or false"),
+        ("lost_node_s", "60", "must be null"),  # YAML without the schema: a quoted number, a bool
+        ("lost_node_s", True, "must be null"),
+        ("lost_node_s", 1.5, "must be null"),
     ):
         shipped = yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())
         (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump({**shipped, key: value}))
