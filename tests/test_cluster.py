@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from conftest import (
     BIN,
     COMPLETION_INDEX,
     FLAVORS,
+    job_of,
     local_k8s,
     manifest_of,
     pod_from,
@@ -28,6 +30,7 @@ from conftest import (
     pod_template_of,
 )
 
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 TRAINER = Path("reference") / "kubeflow-trainer-v2.3.0" / "pkg"  # in the API server's folder
 NAMESPACE = "default"  # the renders' namespace; restricted here, as an admin would set it
 
@@ -466,3 +469,150 @@ def test_k8s_apply_refuses_pods_restricted_would_refuse_keeps_what_is_not_its_ow
     finally:
         cluster.kubectl("delete", "-n", NAMESPACE, "jobs,jobsets,services,persistentvolumeclaims,serviceaccounts",
                         "-l", label, "--cascade=foreground", "--wait", ok=False)  # fmt: skip
+
+
+def stored(cluster, obj: dict) -> dict:
+    """`obj` as the server would store it: admission and defaulting applied, nothing kept."""
+    return json.loads(
+        cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(obj)).stdout
+    )
+
+
+LOST_NODE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def lost_node_seconds(pod: dict) -> dict[str, int]:
+    return {
+        t["key"]: t["tolerationSeconds"]
+        for t in pod["spec"].get("tolerations", [])
+        if t["key"] in LOST_NODE_TAINTS and t["effect"] == "NoExecute"
+    }
+
+
+def test_the_server_keeps_each_renders_lost_node_tolerations_and_each_jobs_replacement_policy(
+    cluster, matrix, shared_k8s
+):
+    """A pod of every render keeps deploy.lost_node_s (60 s) for both taints of a lost node: the
+    DefaultTolerationSeconds admission plugin adds its 300 s only to a pod that names neither, as
+    it does here to one without them. A Job with a podFailurePolicy is defaulted to
+    podReplacementPolicy Failed (a Terminating pod is not replaced); the Job that Trainer v2.3's
+    torch-distributed runtime makes has none, so it is TerminatingOrFailed with backoffLimit 6."""
+    for rendered in matrix.values():
+        pod = first_pod(rendered) | {"metadata": {"name": "lost-node-check", "namespace": NAMESPACE}}
+        pod["spec"] = pod["spec"] | {"serviceAccountName": "default"}  # a TrainJob's account is not made here
+        assert lost_node_seconds(stored(cluster, pod)) == dict.fromkeys(LOST_NODE_TAINTS, 60), rendered.path.name
+        pod["spec"] = pod["spec"] | {"tolerations": []}
+        assert lost_node_seconds(stored(cluster, pod)) == dict.fromkeys(LOST_NODE_TAINTS, 300), rendered.path.name
+        if rendered.flavor in ("job", "jobset"):
+            job = job_of(rendered)
+            job["metadata"]["namespace"] = NAMESPACE
+            assert stored(cluster, job)["spec"]["podReplacementPolicy"] == "Failed", rendered.path.name
+    runtime = yaml.safe_load((shared_k8s / "runtimes" / "torch_distributed-v2.3.0.yaml").read_text())
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert "failurePolicy" not in runtime["spec"]["template"]["spec"]  # the JobSet fails with its Job
+    spec = node["template"]["spec"]
+    spec["template"]["spec"]["restartPolicy"] = "OnFailure"  # the runtime sets none; a Job needs one
+    runtime_job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "runtime-job", "namespace": NAMESPACE},
+                   "spec": spec}  # fmt: skip
+    served = stored(cluster, runtime_job)["spec"]
+    assert (served["podReplacementPolicy"], served["backoffLimit"]) == ("TerminatingOrFailed", 6)
+    assert "podFailurePolicy" not in served
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def ready(node: str) -> dict:
+    condition = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "a test's",
+                 "lastHeartbeatTime": now(), "lastTransitionTime": now()}  # fmt: skip
+    return {"status": {"conditions": [condition]}}
+
+
+def heartbeat(cluster, node: str) -> None:
+    """What a kubelet posts: its node's Lease, renewed, and a Ready condition."""
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": node, "namespace": "kube-node-lease"},
+             "spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
+                      "renewTime": now().replace("Z", ".000000Z")}}  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(lease))
+    cluster.kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(ready(node)))
+
+
+def wait_for(what: str, probe, timeout_s: float = 300):
+    """probe()'s first truthy value: a wait, not a limit on the controllers' speed."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(1)
+    return found
+
+
+@pytest.mark.slow
+def test_a_pod_on_a_lost_node_is_replaced_only_once_the_node_is_out_of_service(
+    cluster, default_project, installed_default, tmp_path
+):
+    """The real controllers: the Job's pod is bound to a node whose kubelet then goes silent. The
+    node lifecycle controller taints it unreachable, and after deploy.lost_node_s the taint
+    eviction controller deletes the pod (DisruptionTarget). The pod stays Terminating (no kubelet
+    confirms its end) and the Job, podReplacementPolicy Failed, makes no new pod 0. Tainted
+    node.kubernetes.io/out-of-service, the node's terminating pods are failed by PodGC, and the
+    Job replaces pod 0 without counting it. Another node keeps heartbeating: with every node
+    lost, the node lifecycle controller stops evicting (full disruption) and taints nothing."""
+    make = project_make(cluster, default_project, installed_default, tmp_path)
+    name, healthy, lost = "lost-node-job", "healthy-node", "lost-node"
+    several = "deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany"  # pod 0 of an Indexed Job
+    done = make("k8s-render", f"ARGS=deploy.lost_node_s=5 deploy.name={name} {several}")
+    assert done.returncode == 0, done.stderr
+    for node in (healthy, lost):
+        cluster.kubectl(
+            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+        )
+        heartbeat(cluster, node)
+    stop = threading.Event()
+    beating = threading.Thread(target=lambda: [heartbeat(cluster, healthy) for _ in iter(lambda: stop.wait(5), True)])
+    beating.start()
+    try:
+        cluster.kubectl("apply", "-f", str(tmp_path / "ddp-project" / "k8s"))
+
+        def pods_0() -> list[dict]:
+            pods = cluster.get("pods", "-l", f"job-name={name}")["items"]
+            return [p for p in pods if p["metadata"]["annotations"][COMPLETION_INDEX_ANNOTATION] == "0"]
+
+        (pod,) = wait_for("the Job's pod 0", pods_0)
+        first = pod["metadata"]["name"]
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": first},
+            "target": {"kind": "Node", "name": lost},
+        }
+        cluster.kubectl("create", "-n", NAMESPACE, "-f", "-", stdin=json.dumps(binding))  # the scheduler's call
+
+        def evicted() -> dict | None:
+            (pod,) = pods_0()
+            return pod if "deletionTimestamp" in pod["metadata"] else None
+
+        pod = wait_for("the eviction", evicted)
+        taints = {t["key"] for t in cluster.get("node", lost)["spec"]["taints"]}
+        assert "node.kubernetes.io/unreachable" in taints
+        assert {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}.items() <= next(
+            c for c in pod["status"]["conditions"] if c["type"] == "DisruptionTarget"
+        ).items()
+        wait_for("the Job to count it terminating", lambda: cluster.get("job", name)["status"].get("terminating") == 1)
+        # Without podFailurePolicy (TerminatingOrFailed) the Job counts a Terminating pod as failed
+        # and replaces it after its first backoff, 10 s (pkg/controller/job: DefaultJobPodFailureBackOff).
+        time.sleep(20)
+        assert [p["metadata"]["name"] for p in pods_0()] == [first]
+        assert "failed" not in cluster.get("job", name)["status"]
+
+        cluster.kubectl("taint", "node", lost, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
+        (new,) = wait_for("pod 0's replacement", lambda: [p for p in pods_0() if p["metadata"]["name"] != first])
+        assert "deletionTimestamp" not in new["metadata"]
+        assert "failed" not in cluster.get("job", name)["status"]  # DisruptionTarget: Ignore, not counted
+    finally:
+        stop.set()
+        beating.join()
+        kinds = "jobs,services,persistentvolumeclaims"
+        cluster.kubectl("delete", "-n", NAMESPACE, kinds, "-l", f"app.kubernetes.io/name={name}", "--wait=false")
+        cluster.kubectl("delete", "node", healthy, lost, "--ignore-not-found")

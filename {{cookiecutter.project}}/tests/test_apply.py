@@ -91,6 +91,29 @@ def test_the_dry_run_is_the_real_applys_and_each_workloads_pods_are_checked_as_a
                                                 "command": ["c"], "args": ["a"], "env": [], "resources": {"limits": {}}}]}  # fmt: skip
 
 
+def test_a_workload_and_its_pods_go_through_the_one_dry_run_each_with_its_verb_and_line(
+    monkeypatch,
+):
+    sent = []
+    monkeypatch.setattr(
+        apply,
+        "dry_run",
+        lambda file, obj, verb="apply", why="": sent.append((file, obj["kind"], verb)),
+    )
+    apply.server_check([("job.yaml", job())])
+    assert sent == [("job.yaml", "Job", "apply"), ("job.yaml", "Pod", "create")]
+    monkeypatch.undo()
+    monkeypatch.setattr(
+        apply, "kubectl", Fake(on={"create": apply.Refused("forbidden: violates PodSecurity")})
+    )
+    with pytest.raises(apply.Refused) as refused:
+        apply.server_check([("job.yaml", job())])
+    assert (
+        str(refused.value)
+        == "job.yaml: its Job's pods would be refused: forbidden: violates PodSecurity"
+    )
+
+
 def test_a_podsecurity_warning_on_the_dry_run_refuses_and_deletes_nothing(folder, tmp_path, capsys):
     log = tmp_path / "calls"
     (tmp_path / "kubectl").write_text(

@@ -194,7 +194,18 @@ BAD = [
         "deploy.priority_class=high: a TrainJob cannot set it",
     ),
     ("deploy.queue=Team.A", "deploy.queue=Team.A: must be null or a Kueue LocalQueue name"),
-]
+    ("deploy.lost_node_s=-1", "deploy.lost_node_s=-1: must be null (the cluster's 300 s) or seconds, 0 to 86400"),
+    ("deploy.lost_node_s=86401", "deploy.lost_node_s=86401: must be null"),
+    ("deploy.lost_node_s=99999999999999999999999", "deploy.lost_node_s=99999999999999999999999: must be null"),
+    ("deploy.lost_node_s=1.5", "deploy.lost_node_s: Value '1.5' of type 'float' could not be converted to Integer"),
+    ("deploy.lost_node_s=''", "deploy.lost_node_s: Value '' of type 'str' could not be converted to Integer"),
+    ("deploy.lost_node_s=true", "deploy.lost_node_s: Value 'True' of type 'bool' could not be converted"),
+    ("deploy.lost_node_s=[]", "deploy.lost_node_s: Value '[]' of type 'list' could not be converted"),
+    (
+        "deploy.tolerations=[{key:node.kubernetes.io/not-ready,operator:Exists,effect:NoExecute,tolerationSeconds:5}]",
+        "deploy.tolerations[0].key=node.kubernetes.io/not-ready: set deploy.lost_node_s instead",
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "message"), BAD, ids=[o[:80] for o, _ in BAD])
@@ -239,6 +250,9 @@ def test_the_hooks_plain_yaml_path_refuses_the_same_way(tmp_path):
         ("image_pull_secrets", "ghcr-pull", "must be a list"),
         ("guaranteed", "yes", "must be true or false"),
         ("one_pod_per_node", 1, "must be true or false"),
+        ("lost_node_s", "60", "must be null"),  # YAML without the schema: a quoted number, a bool
+        ("lost_node_s", True, "must be null"),
+        ("lost_node_s", 1.5, "must be null"),
     ):
         shipped = yaml.safe_load((ROOT / "configs" / "deploy" / "default.yaml").read_text())
         (configs / "deploy" / "default.yaml").write_text(yaml.safe_dump({**shipped, key: value}))
@@ -259,6 +273,57 @@ def test_out_outside_the_project_is_refused_unless_forced(tmp_path):
     forced = subprocess.run([*command, "--force"], cwd=ROOT, capture_output=True, text=True)
     assert forced.returncode == 0, forced.stderr
     assert (out / "runs-pvc.yaml").exists()
+
+
+def test_k8s_from_a_folder_of_the_project_writes_the_projects_k8s(tmp_path):
+    """Run from src/ or tests/, the render reads the project's configs/ and writes k8s/ beside
+    them, where make k8s-apply reads it, not a k8s/ in that folder."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copy(ROOT / "pyproject.toml", project)
+    (project / "src").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s"],
+        cwd=project / "src",
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote ../k8s/{deploy_defaults()['flavor']}.yaml")
+    assert (project / "k8s" / "runs-pvc.yaml").exists() and not (project / "src" / "k8s").exists()
+
+
+def test_an_override_that_configs_local_shadows_is_refused_in_one_line(tmp_path):
+    """configs/local/default.yaml is composed after configs/deploy/ and configs/nccl/: an override
+    written there under a key local sets would vanish at the next render. Refused, nothing
+    written; a key local leaves alone is written as before."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copy(ROOT / "pyproject.toml", project)
+    local = project / "configs" / "local" / "default.yaml"
+    local.write_text(
+        "# @package _global_\ndefaults:\n  - override /nccl: socket\ndeploy:\n  gpus_per_node: 2\n"
+    )
+    configs = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s"]
+    deploy_file = project / "configs" / "deploy" / "default.yaml"
+    for override, shadow, path in [
+        ("deploy.gpus_per_node=4", "deploy.gpus_per_node", deploy_file),
+        ("nccl=pcie_safe", "its nccl profile", project / "configs" / "train.yaml"),
+    ]:
+        done = subprocess.run([*command, override], cwd=project, capture_output=True, text=True)
+        assert done.returncode == 2
+        assert done.stderr == (
+            f"error: {override}: configs/local/default.yaml sets {shadow} too, which wins over {path}: "
+            "change it there; nothing was written\n"
+        )
+        assert {p: p.read_text() for p in (project / "configs").rglob("*.yaml")} == configs
+        assert not (project / "k8s").exists()
+    done = subprocess.run(
+        [*command, "deploy.rdzv_timeout_s=600"], cwd=project, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(deploy_file.read_text())["rdzv_timeout_s"] == 600
 
 
 def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypatch):
@@ -398,7 +463,7 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
     assert pod_template(workload, flavor)["metadata"]["annotations"] == {
         "kueue.x-k8s.io/podset-required-topology": "cloud.provider.com/topology-rack"
     }
-    assert pod["tolerations"] == [toleration]
+    assert pod["tolerations"] == [*lost_node_tolerations(60), toleration]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     name = workload["metadata"]["name"]
     assert pod["affinity"] == ZONE_AFFINITY | {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
@@ -429,15 +494,68 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
 
 def test_no_scheduling_values_by_default(compose_train):
     pod, workload = pod_and_workload(objects(compose_train, "deploy.flavor=job"), "job")
-    assert (
-        not {"tolerations", "nodeSelector", "priorityClassName", "affinity", "imagePullSecrets"}
-        & pod.keys()
-    )
+    assert not {"nodeSelector", "priorityClassName", "affinity", "imagePullSecrets"} & pod.keys()
+    assert pod["tolerations"] == lost_node_tolerations(60)  # configs/deploy/default.yaml's
     assert meta.QUEUE_LABEL not in workload["metadata"]["labels"]
     assert "annotations" not in workload["spec"]["template"]["metadata"]
     assert "cpu" not in pod["containers"][0]["resources"]["limits"]  # Burstable: no CPU throttling
     assert "activeDeadlineSeconds" not in workload["spec"]
     assert workload["spec"]["ttlSecondsAfterFinished"] == 604800
+
+
+def lost_node_tolerations(seconds: int) -> list[dict]:
+    """A pod's tolerations of the taints the node lifecycle controller puts on a node that stops
+    answering (k8s.io/api/core/v1: TaintNodeUnreachable, TaintNodeNotReady), NoExecute."""
+    return [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+        for taint in ("unreachable", "not-ready")
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_lost_node_evicts_every_flavors_pods_after_deploy_lost_node_s(compose_train, flavor):
+    """deploy.lost_node_s reaches every flavor's pods (a TrainJob's through its runtime patch);
+    null leaves them to the DefaultTolerationSeconds admission plugin, which adds 300 s only
+    where a pod names neither taint (test_cluster reads what the server stores)."""
+    several = (f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany")
+    pod, _ = pod_and_workload(objects(compose_train, *several, "deploy.lost_node_s=15"), flavor)
+    assert pod["tolerations"] == lost_node_tolerations(15)
+    pod, _ = pod_and_workload(objects(compose_train, *several, "deploy.lost_node_s=null"), flavor)
+    assert "tolerations" not in pod
+    # First: the taint eviction controller takes the first toleration that matches a taint
+    # (k8s.io/api/core/v1 helper GetMatchingTolerations), and a wildcard matches every taint.
+    wildcard = (
+        "deploy.tolerations=[{operator:Exists},{key:node.kubernetes.io/unreachable,operator:Exists,effect:NoSchedule}]",
+    )
+    pod, _ = pod_and_workload(
+        objects(compose_train, *several, "deploy.lost_node_s=15", *wildcard), flavor
+    )
+    assert pod["tolerations"][:2] == lost_node_tolerations(15) and len(pod["tolerations"]) == 4
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_the_render_says_what_a_lost_node_needs_from_the_operator(compose_train, flavor):
+    """A pod evicted from a node that stopped answering stays Terminating until PodGC fails it
+    (pkg/controller/podgc: a node tainted out-of-service, or deleted): each flavor's note says
+    so, and what its controller does meanwhile."""
+    (note,) = [
+        n
+        for n in render.notes(deploy_of(compose_train, f"deploy.flavor={flavor}"))
+        if "stopped answering" in n
+    ]
+    assert "\n" not in note and "evicted after deploy.lost_node_s=60 s" in note
+    assert "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute or delete its Node" in note
+    expected = {
+        "job": "podReplacementPolicy Failed",
+        "jobset": "podReplacementPolicy Failed",
+        "pytorchjob": "only once the old pod is gone",
+        "trainjob": "podReplacementPolicy TerminatingOrFailed",
+    }[flavor]  # fmt: skip
+    assert expected in note
+    null = render.notes(
+        deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.lost_node_s=null")
+    )
+    assert any("after the cluster's 300 s (deploy.lost_node_s=null)" in n for n in null)
 
 
 def test_the_claim_is_named_by_its_access_mode_and_kept_when_the_nodes_change(compose_train):

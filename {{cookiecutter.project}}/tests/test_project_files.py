@@ -100,9 +100,9 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
     assert done.returncode == 0, done.stderr
     assert other.wait(timeout=120) == 0, other.stderr.read()
     assert f"wrote deploy.nodes=2 -> {deploy_file}" in done.stdout
-    assert done.stdout.splitlines()[-1].startswith(
-        "note: 2 pods and no deploy.queue: nothing admits them together"
-    )
+    notes = done.stdout.splitlines()[-2:]  # after what was written: admission, then the lost node
+    assert notes[0].startswith("note: 2 pods and no deploy.queue: nothing admits them together")
+    assert notes[1].startswith("note: a pod on a node that stopped answering")
     deploy = yaml.safe_load(deploy_file.read_text())
     assert (deploy["nodes"], deploy["image"]) == (2, "ghcr.io/acme/x:2.0")
     assert (deploy["node_selector"], deploy["pod_annotations"]) == (

@@ -64,6 +64,7 @@ class DeployConfig:
     active_deadline_s: Optional[int] = MISSING
     guaranteed: bool = MISSING
     tolerations: List[Dict[str, Any]] = MISSING
+    lost_node_s: Optional[int] = MISSING
     # Any: a value YAML or Hydra typed (true, 1.10) is checked as written, not re-typed as str
     node_selector: Dict[str, Any] = MISSING
     affinity: Dict[str, Any] = MISSING

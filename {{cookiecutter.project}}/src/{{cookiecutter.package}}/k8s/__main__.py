@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,17 @@ def outside_project(out: Path) -> str | None:
     return f"--out {out}: outside this project ({root}); pass --force to write there"
 
 
+def default_out() -> Path:
+    """k8s/ beside the project's configs/, from any folder in the project (make k8s-apply reads
+    it there); in a folder of no such project, k8s/ here."""
+    root = project_root(Path.cwd())
+    return (
+        Path(os.path.relpath(root / "k8s"))
+        if (root / "configs" / "train.yaml").is_file()
+        else Path("k8s")
+    )
+
+
 def deploy_and_profile(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """A checked config's deploy group and NCCL profile as plain values, as render.manifests() takes them."""
     from omegaconf import OmegaConf
@@ -47,16 +59,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("k8s"), help="the folder to write")
+    parser.add_argument(
+        "--out", type=Path, help="the folder to write (default: the project's k8s/)"
+    )
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     parser.add_argument("--force", action="store_true", help="write --out outside the project")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
+    given = args.out is not None
+    args.out = args.out if given else default_out()
     refused = None if args.check or args.force else outside_project(args.out)
     if refused:
         print(f"error: {refused}", file=sys.stderr)
         return Exit.CONFIG_ERROR
-    command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if args.out != Path("k8s") else "")
+    command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if given else "")
     if args.check and args.overrides:
         print(f"error: --check compares k8s/ with configs/ as they are: run {command} "
               f"{' '.join(args.overrides)} to write the overrides first", file=sys.stderr)  # fmt: skip

@@ -280,29 +280,21 @@ def server_check(objects: list[tuple[str, dict[str, Any]]]) -> None:
                 "metadata": metadata,
                 "spec": template["spec"],
             }
-            try:
-                kubectl(
-                    "create", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(pod)
-                )
-            except Unreachable:
-                raise
-            except Refused as refused:
-                raise Refused(
-                    f"{file}: its {manifest['kind']}'s pods would be refused: {refused}"
-                ) from None
+            dry_run(file, pod, "create", f"its {manifest['kind']}'s pods would be refused: ")
         else:  # applied in place: an existing claim must accept the change (most of its spec is fixed)
             dry_run(file, manifest)
 
 
-def dry_run(file: str, manifest: dict[str, Any]) -> None:
+def dry_run(file: str, manifest: dict[str, Any], verb: str = "apply", why: str = "") -> None:
+    """The server's answer to `kubectl <verb>` of `manifest`, changing nothing: apply for what
+    make k8s-apply applies, create for a workload's pods as a bare Pod. Refused: one line,
+    `file: <why><the server's cause>`."""
     try:
-        kubectl(
-            "apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(manifest)
-        )
+        kubectl(verb, "--dry-run=server", "-o", "name", "-f", "-", stdin=yaml.safe_dump(manifest))
     except Unreachable:
         raise
     except Refused as refused:
-        raise Refused(f"{file}: {refused}") from None
+        raise Refused(f"{file}: {why}{refused}") from None
 
 
 def on_cluster(namespace: str, known: set[str]) -> list[dict[str, Any]]:

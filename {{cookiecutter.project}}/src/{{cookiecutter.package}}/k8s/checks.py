@@ -19,6 +19,7 @@ from .meta import (
     quantity,
     topology_annotation,
 )
+from .pods import LOST_NODE_TAINTS
 
 NAME_MAX = 47  # pods are <name>-<index>-<5 characters> or <name>-node-0-<index>-<5>: within 63
 POD_NAME_MAX = 63  # a DNS label; each flavor's longest pod name is checked against it (nodes > 100)
@@ -43,6 +44,7 @@ INT64_MAX = 2**63 - 1  # activeDeadlineSeconds, tolerationSeconds
 INDEXED_MAX = 100_000  # completions and parallelism of an Indexed Job (batch/v1 validation)
 ANNOTATIONS_MAX = 256 * 1024  # all of an object's annotations, keys and values (apimachinery)
 RDZV_TIMEOUT_MAX = 86400
+LOST_NODE_MAX = 86400  # longer is a pod that a dead node keeps for good: null says that plainly
 AFFINITY_KEYS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
 TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -273,6 +275,11 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         deadline is None or whole_number(deadline, 1, INT64_MAX),
         "active_deadline_s", "must be null (no limit) or seconds, at least 1",
     )  # fmt: skip
+    lost = deploy["lost_node_s"]
+    check(
+        lost is None or whole_number(lost, 0, LOST_NODE_MAX),
+        "lost_node_s", f"must be null (the cluster's 300 s) or seconds, 0 to {LOST_NODE_MAX} (a day)",
+    )  # fmt: skip
     check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
     check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
     # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
@@ -289,6 +296,14 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         return found
     for index, toleration in enumerate(deploy["tolerations"]):
         found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
+        # as DefaultTolerationSeconds reads a toleration of them; one after ours would never be used
+        if (
+            isinstance(toleration, Mapping)
+            and toleration.get("key") in LOST_NODE_TAINTS
+            and toleration.get("effect", "") in ("", "NoExecute")
+        ):
+            found.append(f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
+                         "instead, which tolerates both of a lost node's taints")  # fmt: skip
     found += map_errors(deploy, "node_selector", label_values=True)
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
         hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")

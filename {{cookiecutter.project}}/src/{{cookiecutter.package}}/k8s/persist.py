@@ -107,6 +107,26 @@ def target(
     return configs / group / file, [field], composed[group][field]
 
 
+def shadowed(override: str, configs: Path) -> str | None:
+    """The key configs/local/default.yaml (a user's own overrides, composed after configs/<group>/,
+    `# @package _global_`) sets that `override` would be written under, or None: written into
+    configs/<group>/ it would be composed away at the next render, and k8s/ would lose it."""
+    local = configs / "local" / "default.yaml"
+    found = yaml.safe_load(local.read_text()) if local.is_file() else None
+    if not isinstance(found, Mapping):
+        return None
+    key = OVERRIDE.fullmatch(override).group(1)  # deploy.<field>, nccl.<field> or nccl
+    if key == "nccl":  # the profile: chosen in local's defaults list (- override /nccl: socket)
+        entries = [e for e in found.get("defaults") or [] if isinstance(e, Mapping)]
+        return (
+            "its nccl profile"
+            if any(str(k).rstrip().endswith("nccl") for e in entries for k in e)
+            else None
+        )
+    group, field = key.split(".")
+    return key if isinstance(found.get(group), Mapping) and field in found[group] else None
+
+
 def place(document: Any, keys: list[Any], value: Any, path: Path) -> None:
     """Set the value in a loaded document; the defaults list's `- nccl: <profile>` entry for
     nccl=<profile>. A key the file lacks is added at its end, saying who set it."""
@@ -132,6 +152,10 @@ def persist(overrides: list[str], composed: Mapping[str, Any], configs: Path) ->
     written = []
     for override in overrides:
         path, keys, value = target(override, composed, configs)
+        shadow = shadowed(override, configs)
+        if shadow:
+            raise ValueError(f"{override}: configs/local/default.yaml sets {shadow} too, which wins over "
+                             f"{path}: change it there")  # fmt: skip
         if path not in documents:
             document, writer = round_trip(path.read_text())
             if not isinstance(document, Mapping):

@@ -38,6 +38,13 @@ WRITABLE_HOME = {"HOME": "/tmp"}
 TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 POD_IP = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# A node that stops answering is tainted NoExecute with these by the node lifecycle controller
+# (pkg/controller/nodelifecycle), and the taint eviction controller deletes a pod on it once the
+# shortest tolerationSeconds among the pod's matching tolerations has passed
+# (pkg/controller/tainteviction, getMinTolerationTime). A pod that names neither gets 300 s for
+# each from the DefaultTolerationSeconds admission plugin (plugin/pkg/admission/
+# defaulttolerationseconds), which adds nothing to a pod that tolerates them itself.
+LOST_NODE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
 
 class Launch(NamedTuple):
@@ -210,12 +217,29 @@ def runs_claim_name(deploy: Mapping[str, Any]) -> str:
     return deploy["runs_claim"] or f"{deploy['name']}-runs-{mode}"
 
 
+def lost_node_tolerations(deploy: Mapping[str, Any]) -> list[dict]:
+    """deploy.lost_node_s as the pods' tolerations of a lost node's taints; none for null (the
+    admission plugin's 300 s). Evicted, the pod is only Terminating: a kubelet that cannot be
+    reached never confirms its end, so nothing replaces it until the node is tainted
+    node.kubernetes.io/out-of-service or its Node object is deleted (PodGC then fails the pod)."""
+    if deploy["lost_node_s"] is None:
+        return []
+    return [
+        {"key": taint, "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": deploy["lost_node_s"]}
+        for taint in LOST_NODE_TAINTS
+    ]  # fmt: skip
+
+
 def pod_spec(deploy: Mapping[str, Any], container: dict, restart: str = "Never") -> dict:
+    # Ours first: the taint eviction controller goes by the first toleration that matches each taint
+    # (GetMatchingTolerations), so a wildcard of deploy.tolerations cannot outlast deploy.lost_node_s.
+    tolerations = lost_node_tolerations(deploy) + [dict(t) for t in deploy["tolerations"]]
     scheduling = optional(
         priorityClassName=deploy["priority_class"],
         nodeSelector=label_texts(deploy["node_selector"]) or None,
         affinity=affinity(deploy),
-        tolerations=[dict(t) for t in deploy["tolerations"]] or None,
+        tolerations=tolerations or None,
         imagePullSecrets=[{"name": s} for s in deploy["image_pull_secrets"]] or None,
     )
     return {

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .checks import RESTRICTED_CAPABILITIES, deploy_errors
-from .flavors import FLAVORS
+from .flavors import FLAVORS, TRAINJOB_RUNTIME
 from .pods import nccl_env, runs_claim
 
 PACKAGE = __package__.rpartition(".")[0]
@@ -96,8 +96,37 @@ def admission_note(deploy: Mapping[str, Any]) -> str | None:
             "LocalQueue to admit them as one" + (f" ({opt_in})" if opt_in else ""))  # fmt: skip
 
 
+def lost_node_note(deploy: Mapping[str, Any]) -> str:
+    """What a pod on a node that stopped answering becomes, and what only the cluster's operator
+    can do about it. The eviction deletes the pod, but its end is the kubelet's to confirm: it
+    stays Terminating until PodGC fails it, on a node tainted out-of-service or deleted
+    (pkg/controller/podgc: gcTerminating, gcOrphaned). A pod that cannot reach the API server
+    may still be running, so no controller may count it gone before that."""
+    evicted = (
+        f"after deploy.lost_node_s={deploy['lost_node_s']} s"
+        if deploy["lost_node_s"] is not None
+        else "after the cluster's 300 s (deploy.lost_node_s=null)"
+    )
+    remedy = ("once the node is down for good, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute "
+              "or delete its Node: PodGC then fails the pod")  # fmt: skip
+    if deploy["flavor"] == "trainjob":
+        return (f"note: a pod on a node that stopped answering is evicted {evicted} and stays Terminating; "
+                "the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
+                "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
+                f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot; {remedy}")  # fmt: skip
+    replaced = (
+        "the Job replaces it only when it has failed (podReplacementPolicy Failed, which "
+        "podFailurePolicy requires)"
+        if deploy["flavor"] in ("job", "jobset")
+        # the operator names a pod <name>-worker-<index>, without a random suffix
+        else "its replacement has its name, so the operator can create it only once the old pod is gone"
+    )
+    return f"note: a pod on a node that stopped answering is evicted {evicted} and stays Terminating; {replaced}; {remedy}"
+
+
 def notes(deploy: Mapping[str, Any]) -> list[str]:
-    return [note for note in (admission_note(deploy), capabilities_note(deploy)) if note]
+    found = (admission_note(deploy), capabilities_note(deploy), lost_node_note(deploy))
+    return [note for note in found if note]
 
 
 def from_files(configs: Path, profile: str) -> dict[str, str]:
