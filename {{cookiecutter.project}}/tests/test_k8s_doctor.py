@@ -1,0 +1,264 @@
+"""make k8s-doctor: the doctor's Job is the training pods with another command, and its own label;
+its launch line, run as 2 nodes on this machine (CPU, gloo, network namespaces: test_multinode's
+hosts), all-reduces between the nodes and exits with the verdict on training's profile."""
+
+# ruff: noqa: F811 (test_multinode's hosts fixture, imported: the tests take it by that name)
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import PACKAGE, trainer_container
+from test_multinode import NODES, finish, free_port, hosts, node_env  # noqa: F401
+
+from ddp_project import check, doctor
+from ddp_project.k8s import __main__ as cli
+from ddp_project.k8s import apply, render
+from ddp_project.k8s import doctor as k8s_doctor
+from ddp_project.k8s.flavors import FLAVORS
+from ddp_project.k8s.meta import COMPONENT_LABEL, NAME_LABEL
+from ddp_project.k8s.pods import nccl_env
+
+# Placement and platform settings, so that "the same pods" means something.
+PLATFORM = (
+    "+deploy.node_selector={nvidia.com/gpu.product: H200}",
+    "deploy.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+    "deploy.one_pod_per_node=true",
+    "+deploy.env={WANDB_PROJECT: doctor-test}",
+)
+
+
+def rendered(flavor: str, nodes: int, *overrides: str) -> tuple[dict, list[dict]]:
+    """The training workload and the doctor's objects, from one composed config."""
+    config = check.compose_and_check(
+        [f"deploy.flavor={flavor}", f"deploy.nodes={nodes}",
+         "deploy.runs_access_mode=ReadWriteMany", *overrides],
+        this_node=False,
+    )  # fmt: skip
+    deploy, profile = cli.deploy_and_profile(config)
+    training = yaml.safe_load(render.manifests(deploy, nccl_env(profile))[f"{flavor}.yaml"])
+    return training, k8s_doctor.objects(deploy, profile)
+
+
+def training_pod(flavor: str, workload: dict) -> dict:
+    spec = workload["spec"]
+    return {
+        "job": lambda: spec["template"],
+        "jobset": lambda: spec["replicatedJobs"][0]["template"]["spec"]["template"],
+        "pytorchjob": lambda: spec["pytorchReplicaSpecs"]["Worker"]["template"],
+        "trainjob": lambda: apply.pod_template(workload),
+    }[flavor]()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("flavor", list(FLAVORS))
+def test_the_doctor_job_is_the_training_pods_with_another_command(flavor, nodes):
+    """Image, resources, env (the NCCL profile's, deploy.env's), security, placement and the node
+    count are training's; the command and args, the name, the component label and the runs claim
+    (which the doctor does not mount) are not."""
+    training, found = rendered(flavor, nodes, "nccl=pcie_safe", *PLATFORM)
+    job = found[0]
+    name = training["metadata"]["name"]
+    assert [o["kind"] for o in found] == ["Job", "Service"][:nodes]
+    assert all(o["metadata"]["name"] == f"{name}-doctor" for o in found)
+    for obj in found:
+        assert obj["metadata"]["labels"] == {NAME_LABEL: name, COMPONENT_LABEL: "doctor"}
+        assert obj["metadata"]["namespace"] == training["metadata"]["namespace"]
+    spec = job["spec"]
+    assert spec["backoffLimit"] == 0 and spec["ttlSecondsAfterFinished"] == 3600
+    assert 0 < spec["activeDeadlineSeconds"] <= 3600
+    assert spec.get("completions", 1) == nodes
+    assert spec.get("completionMode") == ("Indexed" if nodes > 1 else None)
+    pod, theirs = job["spec"]["template"], training_pod(flavor, training)
+    assert pod["metadata"]["labels"][COMPONENT_LABEL] == "doctor"
+    assert theirs["metadata"]["labels"][COMPONENT_LABEL] == "training"
+    (mine,) = pod["spec"]["containers"]
+    ours = trainer_container(flavor, training)
+    for key in ("image", "securityContext"):
+        assert (
+            mine[key] == (ours if flavor != "trainjob" else theirs["spec"]["containers"][0])[key]
+        ), key
+    assert mine["resources"] == ours.get("resources", ours.get("resourcesPerNode"))
+    plain = {e["name"]: e["value"] for e in mine["env"] if "value" in e}
+    for variable in ours["env"]:
+        if "value" in variable and variable["name"] not in ("RDZV_HOST", "RDZV_PORT"):
+            assert plain[variable["name"]] == variable["value"], variable
+    assert plain["NCCL_P2P_DISABLE"] == "1" and plain["WANDB_PROJECT"] == "doctor-test"
+    for key in ("nodeSelector", "tolerations", "affinity", "securityContext"):
+        assert pod["spec"].get(key) == theirs["spec"].get(key), key
+    assert pod["spec"]["automountServiceAccountToken"] is False  # a TrainJob's: its ServiceAccount
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "tmp"]  # no runs claim
+    assert {v["name"]: v for v in theirs["spec"]["volumes"]}["dshm"] == pod["spec"]["volumes"][0]
+    assert mine["command"] != ours["command"]
+    args = mine["args"]
+    assert args[args.index("--training-profile") + 1] == "pcie_safe"
+    assert args[args.index("--training-vars") + 1 :] == ["NCCL_IB_DISABLE", "NCCL_P2P_DISABLE"]
+    assert args[args.index("--nnodes") + 1] == str(nodes)
+
+
+def test_make_k8s_apply_never_deletes_the_doctor_and_the_doctor_deletes_only_its_job():
+    """apply.to_delete (make k8s-apply) passes over the doctor's objects on the cluster; the
+    doctor's delete selects its component only."""
+    training, found = rendered("job", 2)
+    service = {**training, "kind": "Service"}
+    there = [*found, training, service]
+    gone = apply.to_delete([training], there)
+    assert all(o["metadata"]["labels"][COMPONENT_LABEL] == "training" for o in gone)
+    assert training in gone and not [o for o in gone if o in found]
+
+
+def doctor_cli(
+    *args: str, path: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"PATH": path} if path is not None else {})}
+    return subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s.doctor", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--wait-s", "abc"], "argument --wait-s: must be seconds, above 0 and at most a week; got 'abc'"),
+        (["--wait-s", "0"], "argument --wait-s: must be seconds, above 0 and at most a week; got '0'"),
+        (["--wait-s", ""], "argument --wait-s: must be seconds, above 0 and at most a week; got ''"),
+        (["--wait-s", "1e308"], "at most a week; got '1e308'"),
+        (["--wait-s", "nan"], "at most a week; got 'nan'"),
+        (["deploy.nodes=0"], "config error: deploy.nodes"),
+        (["deploy.nodes=abc"], "config error: deploy.nodes"),
+    ],
+)  # fmt: skip
+def test_a_bad_k8s_doctor_argument_is_one_line(args, says):
+    done = doctor_cli(*args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+
+
+def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
+    """No kubectl on PATH; a kubectl with no API server behind it (a kubeconfig naming a port
+    where nothing listens): one line each, nothing applied."""
+    python_only = str(Path(sys.executable).parent)
+    done = doctor_cli(path=python_only)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"make k8s-doctor: kubectl is not on PATH; python -m {PACKAGE}.k8s.doctor --print writes the manifests"
+    ]
+    if not os.access("/usr/local/bin/kubectl", os.X_OK) and not any(
+        Path(p, "kubectl").is_file() for p in os.environ["PATH"].split(os.pathsep)
+    ):
+        pytest.skip("no kubectl here for the no-cluster case")
+    config = tmp_path / "kubeconfig"
+    port = free_port()
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "gone",
+        "clusters": [{"name": "gone", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+        "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s.doctor"], capture_output=True, text=True,
+                          env={**os.environ, "KUBECONFIG": str(config)}, timeout=180)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(
+        f"make k8s-doctor: no API server reachable at https://127.0.0.1:{port}"
+    )
+    assert lines[0].endswith("nothing was changed")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--nnodes", "2"], "--nnodes 2: --master-addr and --master-port must say where node 0's doctor listens"),
+        (["--nnodes", "2", "--master-addr", "h", "--master-port", "1", "--node-rank", "2"],
+         "--node-rank 2: must be below --nnodes 2"),
+        (["--nnodes", "0"], "argument --nnodes: must be a whole number, at least 1; got '0'"),
+        (["--master-port", "65535"], "argument --master-port: must be 1 to 65534 (the next port is used too); got '65535'"),
+        (["--master-port", "x"], "argument --master-port: must be a whole number, at least 1; got 'x'"),
+        (["--master-addr", ""], "argument --master-addr: must be a host name or address, one word; got ''"),
+        (["--master-addr", "a b"], "argument --master-addr: must be a host name or address, one word; got 'a b'"),
+        (["--master-addr", "h" * 254], "argument --master-addr: must be a host name or address, one word"),
+        (["--training-vars", "LD_PRELOAD"], "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; got 'LD_PRELOAD'"),
+        (["--training-profile", "fast"], "argument --training-profile: invalid choice: 'fast'"),
+        (["--join-timeout-s", "inf"], "argument --join-timeout-s: must be a number of seconds above 0; got 'inf'"),
+        (["--node-rank", "1"], "--node-rank: only with --nnodes 2 or more"),
+        (["--profiles", "infiniband"], "--profiles infiniband: on one node it acts as auto"),
+    ],
+)  # fmt: skip
+def test_a_bad_nodes_argument_of_the_doctor_is_one_line(monkeypatch, capsys, args, says):
+    monkeypatch.setattr(sys, "argv", ["doctor", *args])
+    with pytest.raises(SystemExit) as stop:
+        doctor.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def launch_doctor(
+    hosts, tmp_path: Path, *overrides: str, extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:  # noqa: F811
+    """Each node started with the doctor Job's container command, args and env, as its pod would
+    be (test_multinode's hosts and node_env); `extra` after the rendered args."""
+    _, found = rendered("job", NODES, "deploy.gpus_per_node=1", *overrides)
+    job = found[0]
+    name = job["metadata"]["name"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    port = free_port()
+    names = [(f"{name}-{i}", f"{name}-{i}.{name}") for i in range(NODES)]
+    rdzv_host = next(v["value"] for v in container["env"] if v["name"] == "RDZV_HOST")
+    assert rdzv_host == names[0][1]  # the manifest names pod 0 as Kubernetes does
+    return [
+        subprocess.Popen(
+            [*host.prefix, *container["command"], *container["args"], *extra],
+            env=node_env(container, index, host, port),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for index, host in enumerate(hosts(names))
+    ]
+
+
+QUICK = ("--profiles", "auto", "socket", "--timeout-s", "60")
+
+
+def test_the_doctor_jobs_launch_line_all_reduces_across_two_nodes_and_says_start(hosts, tmp_path):
+    """Pod 0 prints the table of every profile between both nodes' processes, training's first;
+    every pod exits 0: training's profile works."""
+    started = time.monotonic()
+    nodes = launch_doctor(hosts, tmp_path, extra=QUICK)
+    outputs = finish(nodes, timeout=240)
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    table = outputs[0]
+    assert "2 nodes, 1 process(es) each: every all-reduce spans 2 processes" in table
+    rows = [line.split() for line in table.splitlines() if line.startswith(("auto", "socket"))]
+    assert [row[:3] for row in rows] == [["auto", "*", "works"], ["socket", "works", *rows[1][2:3]]]
+    assert all(float(gbps) > 0 for gbps in rows[0][-2:])
+    assert "Verdict: nccl=auto works across 2 nodes: start training (exit 0)." in table
+    assert (
+        outputs[1]
+        .strip()
+        .endswith("node 1: results sent to node 0, which prints the table; its verdict: exit 0")
+    )
+    print(f"two-node doctor: {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_training_profile_that_fails_across_nodes_fails_the_doctor_and_names_the_remedy(
+    hosts, tmp_path
+):
+    """Training's profile carries a GLOO_SOCKET_IFNAME no node has (nccl.env, as a wrong
+    interface name would be): its row fails on both nodes, fast; the other profiles run without
+    it and work; every pod exits 1 and pod 0 names the profile that works."""
+    bad = ("nccl=socket", "+nccl.env.GLOO_SOCKET_IFNAME=nosuch0")
+    nodes = launch_doctor(hosts, tmp_path, *bad, extra=QUICK)
+    outputs = finish(nodes, timeout=240)
+    assert [n.returncode for n in nodes] == [1, 1], outputs
+    table = outputs[0]
+    (socket_row,) = [line for line in table.splitlines() if line.startswith("socket *")]
+    assert "fails" in socket_row and "Unable to find address for: nosuch0" in socket_row
+    (auto_row,) = [line for line in table.splitlines() if line.startswith("auto ")]
+    assert "works" in auto_row
+    assert ("Verdict: nccl=socket does not work across 2 nodes: do not start training (exit 1). "
+            "nccl=auto works, the fastest that does: make k8s-render ARGS=nccl=auto") in table  # fmt: skip
