@@ -674,7 +674,7 @@ MAKE_TARGETS = {
     "docker-build": "docker build -t ghcr.io/your-org/{project}:0.1.0 .",
     "k8s-render": "python -m {package}.k8s",
     "k8s-apply": "python -m {package}.k8s --check\npython -m {package}.k8s.apply",
-    "k8s-doctor": READY + "python -m {package}.k8s.doctor",
+    "k8s-doctor": "python -m {package}.k8s.doctor",
 }
 
 

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from hydra import compose, initialize_config_module
@@ -48,7 +47,7 @@ from omegaconf import OmegaConf
 
 from . import nccl, probe
 from .config import TrainConfig, register_configs
-from .exits import Exit
+from .exits import Exit, Parser
 
 PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto
@@ -518,13 +517,6 @@ def render_nodes(report: dict) -> str:
         lines.append(f"Verdict: no profile works across {count} nodes: do not start training (exit 1). "
                      "Read the errors above; NCCL_DEBUG=INFO shows more.")  # fmt: skip
     return "\n".join(lines)
-
-
-class Parser(argparse.ArgumentParser):
-    """A bad argument is one line, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(Exit.CONFIG_ERROR, f"{self.prog}: {message}\n")
 
 
 def at_least(low: int) -> Callable[[str], int]:

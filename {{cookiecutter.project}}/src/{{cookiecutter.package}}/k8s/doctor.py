@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from ..exits import Exit
+from ..exits import Exit, Parser
 from .apply import Refused, TimedOut, Unreachable, kubectl, server_check
 from .meta import DOCTOR, NAME_LABEL, labels, manifest
 from .pods import Launch, nccl_env, pod_metadata, pod_spec, torchrun_launch, trainer_container
@@ -191,6 +191,10 @@ def run(found: list[dict], wait_s: float) -> int:
     kubectl("delete", "jobs.batch", "-n", namespace, "-l", selector, "--cascade=foreground",
             "--wait", "--ignore-not-found", "--timeout=120s")  # fmt: skip
     print(kubectl("apply", "-f", "-", stdin=as_yaml(found)), end="")
+    print(
+        f"waiting for job/{name} to end (at most {wait_s:g} s; its pods' log follows)...",
+        flush=True,
+    )
     started = time.monotonic()
     said = started
     while (ended := finished(namespace, name)) is None:
@@ -218,7 +222,6 @@ def run(found: list[dict], wait_s: float) -> int:
 
 def main() -> int:
     from .. import check
-    from ..doctor import Parser  # a bad argument is one line, exit 2, as for the doctor itself
     from .__main__ import deploy_and_profile, project_root
 
     parser = Parser(
