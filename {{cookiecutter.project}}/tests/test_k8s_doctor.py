@@ -262,3 +262,39 @@ def test_a_training_profile_that_fails_across_nodes_fails_the_doctor_and_names_t
     assert "works" in auto_row
     assert ("Verdict: nccl=socket does not work across 2 nodes: do not start training (exit 1). "
             "nccl=auto works, the fastest that does: make k8s-render ARGS=nccl=auto") in table  # fmt: skip
+
+
+def test_a_profile_works_across_nodes_only_where_it_worked_on_every_node():
+    """Node 0 measured a bandwidth, node 1's torchrun failed: the row fails, naming node 1; a hang
+    on one node (and no failure) is a hang; all nodes working keeps node 0's measurement."""
+    works = {
+        "profile": "auto",
+        "env": {},
+        "result": "works",
+        "init_s": 0.5,
+        "busbw_gbps": {"1MiB": 3.0},
+        "error": "",
+    }
+    fails = {
+        **works,
+        "result": "fails",
+        "init_s": None,
+        "busbw_gbps": {},
+        "error": "rank 1: RuntimeError: x",
+    }
+    hangs = {
+        **works,
+        "result": "hangs",
+        "init_s": None,
+        "busbw_gbps": {},
+        "error": "no result within 9 s",
+    }
+    row = doctor.across_nodes([works, fails], 2)
+    assert (row.result, row.error, row.busbw_gbps) == (
+        "fails",
+        "node 1: rank 1: RuntimeError: x",
+        {},
+    )
+    assert doctor.across_nodes([hangs, works], 2).error == "node 0: no result within 9 s"
+    assert doctor.across_nodes([hangs, fails], 2).result == "fails"  # the cause, not its echo
+    assert doctor.across_nodes([works, works], 2) == doctor.ProfileResult(**works)
