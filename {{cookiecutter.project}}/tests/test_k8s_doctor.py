@@ -5,6 +5,7 @@ hosts), all-reduces between the nodes and exits with the verdict on training's p
 # ruff: noqa: F811 (test_multinode's hosts fixture, imported: the tests take it by that name)
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -298,3 +299,57 @@ def test_a_profile_works_across_nodes_only_where_it_worked_on_every_node():
     assert doctor.across_nodes([hangs, works], 2).error == "node 0: no result within 9 s"
     assert doctor.across_nodes([hangs, fails], 2).result == "fails"  # the cause, not its echo
     assert doctor.across_nodes([works, works], 2) == doctor.ProfileResult(**works)
+
+
+def doctor_node(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", f"{PACKAGE}.doctor", "--nnodes", "2", "--master-addr", "localhost", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_doctor_waiting_for_the_other_nodes_stops_at_ctrl_c_in_one_line(rank):
+    """Node 0 waiting for the others, node 1 for node 0 (an image still pulling): SIGINT stops
+    either at once, with one line and 130, not at the end of --join-timeout-s."""
+    node = doctor_node(
+        "--node-rank", rank, "--master-port", str(free_port()), "--join-timeout-s", "600"
+    )
+    time.sleep(8)  # its imports, then the wait
+    node.send_signal(signal.SIGINT)
+    out, err = node.communicate(timeout=30)
+    assert node.returncode == 130 and out == "", out + err
+    assert err == f"{PACKAGE}.doctor: stopped by SIGINT; nothing was measured to the end\n"
+
+
+def test_a_node_whose_node_0_never_comes_says_so_in_one_line():
+    """No doctor at --master-addr: exit 1 after --join-timeout-s, one line naming the address,
+    and none of TCPStore's C++ retry logs."""
+    port = free_port()
+    node = doctor_node("--node-rank", "1", "--master-port", str(port), "--join-timeout-s", "2")
+    out, err = node.communicate(timeout=60)
+    assert node.returncode == 1 and out == "", out + err
+    assert err.startswith(
+        f"{PACKAGE}.doctor: node 1: the doctors of 2 nodes did not meet at localhost:{port} within 2 s"
+    )
+    assert len(err.splitlines()) == 1 and err.rstrip().endswith(
+        "do not start training: the nodes could not all-reduce together"
+    )
+
+
+def test_k8s_doctor_stops_at_ctrl_c_in_one_line_naming_what_may_be_left(tmp_path):
+    """SIGINT while kubectl is busy (here a kubectl that never answers): one line, 130, naming
+    the Job that may be running and the command that stops it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text("#!/bin/sh\nsleep 60\n")
+    (bin_dir / "kubectl").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    running = subprocess.Popen([sys.executable, "-m", f"{PACKAGE}.k8s.doctor"], env={**os.environ, "PATH": path},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(10)  # the config composed; kubectl's dry run under way
+    running.send_signal(signal.SIGINT)
+    out, err = running.communicate(timeout=30)
+    assert running.returncode == 130, out + err
+    assert err == ("make k8s-doctor: stopped by SIGINT; job/ddp-project-doctor may be running: "
+                   "kubectl delete -n default job/ddp-project-doctor stops it\n")  # fmt: skip

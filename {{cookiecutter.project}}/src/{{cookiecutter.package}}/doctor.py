@@ -368,18 +368,38 @@ class Control:
         from torch.distributed import TCPStore
 
         self.nodes = nodes
+        # Waits in Python, not in TCPStore's C++: Ctrl-C stops them, and a node 0 that is late
+        # (an image pull) is no wall of C++ retry logs on the others.
+        if nodes.rank > 0:
+            self.reachable(time.monotonic() + nodes.join_timeout_s)
         try:
             self.store = TCPStore(
                 nodes.master_addr, nodes.master_port, world_size=nodes.count,
                 is_master=nodes.rank == 0, timeout=timedelta(seconds=nodes.join_timeout_s),
-                wait_for_workers=True,
+                wait_for_workers=False,
             )  # fmt: skip
         except (RuntimeError, OSError) as err:  # DistStoreError is a RuntimeError
-            raise NotJoined(
-                f"node {nodes.rank}: the doctors of {nodes.count} nodes did not meet at "
-                f"{nodes.master_addr}:{nodes.master_port} within {nodes.join_timeout_s:g} s "
-                f"({str(err).splitlines()[0][:200]})"
-            ) from None
+            raise NotJoined(self.not_met(str(err).splitlines()[0][:200])) from None
+        self.together("joined", nodes.join_timeout_s)
+
+    def not_met(self, why: str) -> str:
+        n = self.nodes
+        return (f"node {n.rank}: the doctors of {n.count} nodes did not meet at {n.master_addr}:"
+                f"{n.master_port} within {n.join_timeout_s:g} s ({why})")  # fmt: skip
+
+    def reachable(self, deadline: float) -> None:
+        while True:
+            try:
+                with socket.create_connection(
+                    (self.nodes.master_addr, self.nodes.master_port), timeout=2
+                ):
+                    return
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise NotJoined(
+                        self.not_met(f"node 0's doctor is not listening: {err}")
+                    ) from None
+            time.sleep(0.5)
 
     def together(self, key: str, within_s: float) -> None:
         """Returns once every node has reached `key`."""
@@ -388,8 +408,9 @@ class Control:
         while self.store.add(key, 0) < self.nodes.count:
             if time.monotonic() > deadline:
                 raise NotJoined(
-                    f"node {self.nodes.rank}: not every node reached {key} within {within_s:g} s"
-                )
+                    self.not_met("not every node came") if key == "joined"
+                    else f"node {self.nodes.rank}: not every node reached {key} within {within_s:g} s"
+                )  # fmt: skip
             time.sleep(0.05)
 
     def publish(self, key: str, value: dict | int) -> None:
