@@ -353,3 +353,23 @@ def test_k8s_doctor_stops_at_ctrl_c_in_one_line_naming_what_may_be_left(tmp_path
     assert running.returncode == 130, out + err
     assert err == ("make k8s-doctor: stopped by SIGINT; job/ddp-project-doctor may be running: "
                    "kubectl delete -n default job/ddp-project-doctor stops it\n")  # fmt: skip
+
+
+def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path):
+    """A profile's torchrun runs in its own session (the hard timeout kills its group), so the
+    terminal's SIGINT never reaches it: the doctor's Ctrl-C must take it down too."""
+    pid_file = tmp_path / "child.pid"
+    code = (f"from {PACKAGE} import probe; "
+            f"probe.run_with_hard_timeout(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 300'], 600)")  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline and caller.poll() is None, "the child never started"
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    caller.send_signal(signal.SIGINT)
+    _, err = caller.communicate(timeout=30)
+    assert "KeyboardInterrupt" in err  # re-raised for the doctor's one line
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
