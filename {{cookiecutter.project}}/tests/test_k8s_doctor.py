@@ -183,7 +183,7 @@ def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
         (["--training-vars", "LD_PRELOAD"], "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; got 'LD_PRELOAD'"),
         (["--training-profile", "fast"], "argument --training-profile: invalid choice: 'fast'"),
         (["--join-timeout-s", "inf"], "argument --join-timeout-s: must be a number of seconds above 0; got 'inf'"),
-        (["--node-rank", "1"], "--node-rank: only with --nnodes 2 or more"),
+        (["--node-rank", "1"], "--node-rank: only with --nnodes 2 or more, or --training-profile"),
         (["--profiles", "infiniband"], "--profiles infiniband: on one node it acts as auto"),
     ],
 )  # fmt: skip
@@ -232,7 +232,7 @@ def test_the_doctor_jobs_launch_line_all_reduces_across_two_nodes_and_says_start
     outputs = finish(nodes, timeout=300)
     assert [n.returncode for n in nodes] == [0, 0], outputs
     table = outputs[0]
-    assert "2 nodes, 1 process(es) each: every all-reduce spans 2 processes" in table
+    assert "2 node(s), 1 process(es) each: every all-reduce spans 2 process(es)" in table
     rows = [line.split() for line in table.splitlines() if line.startswith(("auto", "socket"))]
     assert [row[:3] for row in rows] == [["auto", "*", "works"], ["socket", "works", *rows[1][2:3]]]
     assert all(float(gbps) > 0 for gbps in rows[0][-2:])
@@ -373,3 +373,24 @@ def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path):
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_the_one_node_doctor_jobs_command_gives_the_verdict_on_trainings_profile(tmp_path):
+    """deploy.nodes=1 (the default): the Job's one pod runs the doctor with --nnodes 1 and
+    --training-profile; it judges training's profile on that node alone (no infiniband row)."""
+    _, (job,) = rendered("job", 1, "deploy.gpus_per_node=1")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", f"{PACKAGE}.doctor"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env |= {v["name"]: v["value"] for v in container["env"] if "value" in v}
+    args = [a if a != "29500" else str(free_port()) for a in container["args"]]
+    done = subprocess.run([*container["command"], *args, "--timeout-s", "120"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [
+        line.split()[0]
+        for line in done.stdout.splitlines()
+        if line.startswith(tuple(doctor.NODES_PROFILES))
+    ]
+    assert rows == ["auto", "nccl_default", "pcie_safe", "socket"]  # training's (auto) first
+    assert "Verdict: nccl=auto works across 1 nodes: start training (exit 0)." in done.stdout

@@ -487,9 +487,15 @@ def diagnose_nodes(
         report["recommended"] = best.profile if best else None
         verdict = Exit.OK if report["ok"] else Exit.FAILED
         control.store.set("verdict", str(int(verdict)))
-    verdict = int(control.store.get("verdict"))
-    control.together("done", within_s=60)  # node 0's store lives until every node has the verdict
-    return report if nodes.rank == 0 else {"verdict": verdict}
+    if nodes.rank > 0:
+        verdict = int(control.store.get("verdict"))
+        control.store.add("read", 1)  # this node's last word to the store: node 0 may go now
+        return {"verdict": verdict}
+    # node 0's store lives until every other node has read the verdict
+    deadline = time.monotonic() + 60
+    while control.store.add("read", 0) < nodes.count - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return report
 
 
 def render_nodes(report: dict) -> str:
@@ -499,7 +505,7 @@ def render_nodes(report: dict) -> str:
     count, nproc = report["nodes"], report["nproc"]
     lines = [
         f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, driver {v['driver']}",
-        f"{count} nodes, {nproc} process(es) each: every all-reduce spans {count * nproc} processes",
+        f"{count} node(s), {nproc} process(es) each: every all-reduce spans {count * nproc} process(es)",
     ]
     for rank, node in enumerate(report["node_facts"]):
         shm = f"{node['shm'] / 2**20:.0f} MiB" if node["shm"] is not None else "unknown"
@@ -594,14 +600,17 @@ NODES_ONLY = ("node_rank", "master_addr", "master_port", "join_timeout_s", "trai
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
-    """--nnodes and its companions, checked together; None for one node."""
+    """--nnodes and its companions, checked together; None for the node report of one node.
+    --training-profile asks for the verdict on it, on one node too (make k8s-doctor's one pod)."""
     given = [f"--{k.replace('_', '-')}" for k in NODES_ONLY if getattr(args, k) is not None]
-    if args.nnodes == 1:
+    if args.profiles and "infiniband" in args.profiles and args.nnodes == 1:
+        raise Refused("--profiles infiniband: on one node it acts as auto; it differs between "
+                      "nodes (--nnodes 2 or more)")  # fmt: skip
+    if args.nnodes == 1 and args.training_profile is None:
         if given:
-            raise Refused(f"{', '.join(given)}: only with --nnodes 2 or more")
-        if args.profiles and "infiniband" in args.profiles:
-            raise Refused("--profiles infiniband: on one node it acts as auto; it differs between "
-                          "nodes (--nnodes 2 or more)")  # fmt: skip
+            raise Refused(
+                f"{', '.join(given)}: only with --nnodes 2 or more, or --training-profile"
+            )
         return None
     missing = [f"--{k.replace('_', '-')}" for k in ("master_addr", "master_port")
                if getattr(args, k) is None]  # fmt: skip
@@ -668,7 +677,10 @@ def main() -> int:
             report = diagnose(args.profiles or PROFILES, args.nproc, args.timeout_s)
         else:
             report = diagnose_nodes(
-                args.profiles or NODES_PROFILES, args.nproc, args.timeout_s, several
+                args.profiles or (NODES_PROFILES if several.count > 1 else PROFILES),
+                args.nproc,
+                args.timeout_s,
+                several,
             )
     except Refused as err:
         parser.exit(Exit.CONFIG_ERROR, f"{parser.prog}: {err}\n")
