@@ -616,3 +616,74 @@ def test_a_pod_on_a_lost_node_is_replaced_only_once_the_node_is_out_of_service(
         kinds = "jobs,services,persistentvolumeclaims"
         cluster.kubectl("delete", "-n", NAMESPACE, kinds, "-l", f"app.kubernetes.io/name={name}", "--wait=false")
         cluster.kubectl("delete", "node", healthy, lost, "--ignore-not-found")
+
+
+def test_k8s_doctor_applies_its_job_beside_training_and_neither_deletes_the_other(
+    cluster, default_project, installed_default, tmp_path
+):
+    """`make k8s-doctor` on two nodes: its manifests pass the strict dry run without a warning
+    (PodSecurity restricted); the server takes its Job and Service and the Job controller makes
+    its pods (no kubelet here: they stay Pending, so the wait ends in one line, after a line
+    saying it waits); the training Job beside it is untouched. A new `make k8s-apply` replaces
+    the training Job and leaves the doctor's; the next doctor replaces only its own Job."""
+    project_run = project_make(cluster, default_project, installed_default, tmp_path)
+    name, image = "ddp-project", "ghcr.io/your-org/ddp-project:0.1.0"
+    several = "ARGS=deploy.nodes=2 deploy.runs_access_mode=ReadWriteMany"
+    mine = "jobs,services,persistentvolumeclaims"
+    try:
+        done = project_run("-s", "k8s-apply", several)
+        assert done.returncode == 0, done.stderr[-3000:]
+        uids = lambda: {  # noqa: E731
+            f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["uid"]
+            for i in cluster.get(mine, "-l", f"app.kubernetes.io/name={name}")["items"]
+        }
+        training = uids()
+        assert set(training) == {f"Job/{name}", f"Service/{name}", f"PersistentVolumeClaim/{name}-runs-rwx"}
+
+        printed = subprocess.run(
+            [sys.executable, "-m", "ddp_project.k8s.doctor", "--print"], cwd=tmp_path / "ddp-project",
+            env={**cluster.env, "PYTHONPATH": str(installed_default)}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert printed.returncode == 0, printed.stderr[-3000:]
+        strict = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", stdin=printed.stdout)
+        assert strict.stderr == ""  # no "would violate PodSecurity" warning, no unknown field
+        assert strict.stdout.split() == [
+            f"job.batch/{name}-doctor", "created", "(server", "dry", "run)",
+            f"service/{name}-doctor", "created", "(server", "dry", "run)",
+        ]  # fmt: skip
+
+        def doctor() -> subprocess.CompletedProcess:
+            return project_run("-s", "k8s-doctor", "ARGS=--wait-s 31")
+
+        first = doctor()
+        said = [line for line in first.stderr.splitlines() if not line.startswith("make: ")]
+        assert first.returncode != 0 and len(said) == 1, first.stdout + first.stderr
+        assert said[0].startswith(f"make k8s-doctor: job/{name}-doctor has not finished after 31 s (pods: Pending 2)")
+        assert f"job.batch/{name}-doctor created" in first.stdout and f"service/{name}-doctor created" in first.stdout
+        assert f"waiting for job/{name}-doctor to end (at most 31 s; its pods' log follows)..." in first.stdout
+        pods = pods_of(cluster, f"{name}-doctor", 2, image)  # admitted under restricted: no FailedCreate
+        for index, pod in enumerate(pods):
+            assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "doctor"
+            assert pod["spec"]["hostname"] == f"{name}-doctor-{index}" and pod["spec"]["subdomain"] == f"{name}-doctor"
+            assert pod["status"]["qosClass"] == "Burstable"
+            (container,) = pod["spec"]["containers"]
+            assert "ddp_project.doctor" in " ".join(container["command"])
+        doctors = {k: v for k, v in uids().items() if "doctor" in k}
+        assert set(doctors) == {f"Job/{name}-doctor", f"Service/{name}-doctor"}
+        assert {k: v for k, v in uids().items() if k not in doctors} == training  # training untouched
+
+        replaced = project_run("-s", "k8s-apply", f"{several} deploy.image=ghcr.io/your-org/ddp-project:0.2.0")
+        assert replaced.returncode == 0, replaced.stderr[-3000:]
+        after = uids()
+        assert after[f"Job/{name}"] != training[f"Job/{name}"]  # training's Job replaced...
+        assert {k: after[k] for k in doctors} == doctors  # ...the doctor's kept
+
+        again = doctor()
+        assert again.returncode != 0, again.stdout + again.stderr
+        last = uids()
+        assert last[f"Job/{name}-doctor"] != doctors[f"Job/{name}-doctor"]  # its own Job replaced
+        assert last[f"Service/{name}-doctor"] == doctors[f"Service/{name}-doctor"]  # applied in place
+        assert last[f"Job/{name}"] == after[f"Job/{name}"]  # the training Job untouched
+    finally:
+        cluster.kubectl("delete", "-n", NAMESPACE, mine, "-l", f"app.kubernetes.io/name={name}",
+                        "--cascade=foreground", "--wait", ok=False)  # fmt: skip

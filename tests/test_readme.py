@@ -172,6 +172,7 @@ CLASSIFIED = [
     (r"make ", "make"),
     (r"kubectl ", "kubectl"),
     (r"python -m {package}\.k8s\.apply$", "cluster"),  # make k8s-apply's last step
+    (r"python -m {package}\.k8s\.doctor( |$)", "cluster"),  # make k8s-doctor: test_cluster runs it
     (r"docker ", "docker"),
     (r"(python3? -m )?pip install ", "pip"),
     (r'python -c "import torch"', "ready"),  # make's guards before a target that needs torch

@@ -92,6 +92,7 @@ EXPECTED_FILES = {
     "src/{package}/k8s/__init__.py",
     "src/{package}/k8s/__main__.py",
     "src/{package}/k8s/apply.py",
+    "src/{package}/k8s/doctor.py",
     "src/{package}/k8s/checks.py",
     "src/{package}/k8s/flavors.py",
     "src/{package}/k8s/meta.py",
@@ -146,6 +147,7 @@ EXPECTED_FILES = {
     "tests/test_heartbeat.py",
     "tests/test_help.py",
     "tests/test_k8s.py",
+    "tests/test_k8s_doctor.py",
     "tests/test_loggers.py",
     "tests/test_metrics.py",
     "tests/test_nccl.py",
@@ -674,6 +676,7 @@ MAKE_TARGETS = {
     "docker-build": "docker build -t ghcr.io/your-org/{project}:0.1.0 .",
     "k8s-render": "python -m {package}.k8s",
     "k8s-apply": "python -m {package}.k8s --check\npython -m {package}.k8s.apply",
+    "k8s-doctor": "python -m {package}.k8s.doctor",
 }
 
 

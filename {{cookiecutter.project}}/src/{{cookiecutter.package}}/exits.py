@@ -8,8 +8,10 @@ k8s/ reads FAIL_AT_ONCE from here. The standard library only: the template's hoo
 
 from __future__ import annotations
 
+import argparse
 import signal
 from enum import IntEnum
+from typing import NoReturn
 
 
 class Exit(IntEnum):
@@ -40,3 +42,11 @@ def for_signal(signum: int) -> int:
 
 
 FAIL_AT_ONCE = [int(code) for code in Exit if code.fails_job]
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line and CONFIG_ERROR, without the usage block (the doctor, and
+    make k8s-doctor, which must not import torch)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(Exit.CONFIG_ERROR, f"{self.prog}: {message}\n")

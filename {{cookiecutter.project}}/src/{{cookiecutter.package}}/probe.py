@@ -153,6 +153,10 @@ def run_with_hard_timeout(
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         return Outcome("hang", output or "")
+    except KeyboardInterrupt:  # its own session got no SIGINT: it would outlive the caller
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
 
 
 def peer_copy_tests(

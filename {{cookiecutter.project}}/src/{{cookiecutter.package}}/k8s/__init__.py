@@ -22,7 +22,8 @@ One concern per module, each importing only those above it:
     persist.py   overrides into configs/, keeping the YAML as its author wrote it (ruamel.yaml)
     __main__.py  the command line above
     apply.py     make k8s-apply
+    doctor.py    make k8s-doctor: the doctor's Job, from the same pods, beside the training job
 
-All but persist, __main__ and apply need only the standard library and PyYAML: the template's
+All but persist, __main__, apply and doctor need only the standard library and PyYAML: the template's
 post-generation hook renders the first k8s/ with them, before anything is installed.
 """

@@ -23,8 +23,12 @@ TOPOLOGY_ANNOTATIONS = {
 HOSTNAME = "kubernetes.io/hostname"  # the node's own topology domain: one pod per node
 
 
-def labels(name: str) -> dict[str, str]:
-    return {NAME_LABEL: name, COMPONENT_LABEL: "training"}
+TRAINING = "training"  # the component of what make k8s-apply applies, and deletes
+DOCTOR = "doctor"  # make k8s-doctor's: make k8s-apply never lists it, so never deletes it
+
+
+def labels(name: str, component: str = TRAINING) -> dict[str, str]:
+    return {NAME_LABEL: name, COMPONENT_LABEL: component}
 
 
 def label_text(value: str | bool | int) -> str:
@@ -52,11 +56,16 @@ def manifest(
     spec: dict | None,
     suffix: str = "",
     queued: bool = False,
+    component: str = TRAINING,
 ) -> dict:
     """A namespaced object of this project, named <deploy.name><suffix>; `queued`: the workload,
     which carries Kueue's labels when deploy.queue is set."""
     name = deploy["name"]
-    metadata = {"name": name + suffix, "namespace": deploy["namespace"], "labels": labels(name)}
+    metadata = {
+        "name": name + suffix,
+        "namespace": deploy["namespace"],
+        "labels": labels(name, component),
+    }
     if queued and deploy["queue"]:
         metadata["labels"][QUEUE_LABEL] = deploy["queue"]
         if deploy["queue_priority"]:

@@ -12,6 +12,7 @@ from .. import PROJECT, nccl
 from .meta import (
     HOSTNAME,
     NAME_LABEL,
+    TRAINING,
     cpu_text,
     label_texts,
     labels,
@@ -182,12 +183,12 @@ def trainer_container(
     }
 
 
-def pod_metadata(deploy: Mapping[str, Any]) -> dict:
+def pod_metadata(deploy: Mapping[str, Any], component: str = TRAINING) -> dict:
     """The pods' labels (this project's, and deploy.pod_labels) and annotations
     (deploy.pod_annotations, and Kueue's topology request)."""
     annotations = label_texts(deploy["pod_annotations"]) | topology_annotation(deploy)
     return {
-        "labels": labels(deploy["name"]) | label_texts(deploy["pod_labels"]),
+        "labels": labels(deploy["name"], component) | label_texts(deploy["pod_labels"]),
         **optional(annotations=annotations or None),
     }
 
