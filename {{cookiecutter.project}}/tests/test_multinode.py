@@ -11,6 +11,7 @@ root filesystem is read-only: only /tmp (which holds the run dir here) and /dev/
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -86,10 +87,13 @@ def hosts_file(names: list[tuple[str, ...]], addresses: list[str]) -> str:
 @pytest.fixture(scope="session")  # not module: that would put these tests on one xdist worker
 def hosts() -> Iterator:
     """hosts(names) -> one Host per node; names[i] are node i's hostname, then its other DNS names."""
-    netns = [f"ddp{os.getpid()}n{i}" for i in range(NODES)]
+    # Named per instance: a module that imports this fixture (test_k8s_doctor) gets an instance
+    # of its own, beside this module's in the same process; reused names would fail `ip netns add`.
+    instance = secrets.token_hex(2)
+    netns = [f"ddp{os.getpid()}{instance}n{i}" for i in range(NODES)]
     if allowed("ip", "netns", "add", netns[0]):
         subprocess.run(["ip", "netns", "add", netns[1]], check=True)
-        veth = [f"v{os.getpid() % 100000}n{i}" for i in range(NODES)]
+        veth = [f"v{os.getpid() % 100000}{instance}n{i}" for i in range(NODES)]
         subprocess.run(["ip", "link", "add", veth[0], "netns", netns[0], "type", "veth",
                         "peer", "name", veth[1], "netns", netns[1]], check=True)  # fmt: skip
         addresses = [f"{SUBNET}.{i + 1}" for i in range(NODES)]
