@@ -6,6 +6,7 @@ hosts), all-reduces between the nodes and exits with the verdict on training's p
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,12 +17,12 @@ import yaml
 from conftest import PACKAGE, trainer_container
 from test_multinode import NODES, finish, free_port, hosts, node_env  # noqa: F401
 
-from ddp_project import check, doctor
+from ddp_project import PROJECT, check, doctor
 from ddp_project.k8s import __main__ as cli
 from ddp_project.k8s import apply, render
 from ddp_project.k8s import doctor as k8s_doctor
 from ddp_project.k8s.flavors import FLAVORS
-from ddp_project.k8s.meta import COMPONENT_LABEL, NAME_LABEL
+from ddp_project.k8s.meta import COMPONENT_LABEL, NAME_LABEL, PART_OF_LABEL
 from ddp_project.k8s.pods import nccl_env
 
 # Placement and platform settings, so that "the same pods" means something.
@@ -67,7 +68,11 @@ def test_the_doctor_job_is_the_training_pods_with_another_command(flavor, nodes)
     assert [o["kind"] for o in found] == ["Job", "Service"][:nodes]
     assert all(o["metadata"]["name"] == f"{name}-doctor" for o in found)
     for obj in found:
-        assert obj["metadata"]["labels"] == {NAME_LABEL: name, COMPONENT_LABEL: "doctor"}
+        assert obj["metadata"]["labels"] == {
+            NAME_LABEL: name,
+            COMPONENT_LABEL: "doctor",
+            PART_OF_LABEL: PROJECT,
+        }
         assert obj["metadata"]["namespace"] == training["metadata"]["namespace"]
     spec = job["spec"]
     assert spec["backoffLimit"] == 0 and spec["ttlSecondsAfterFinished"] == 3600
@@ -301,6 +306,11 @@ def test_a_profile_works_across_nodes_only_where_it_worked_on_every_node():
     assert doctor.across_nodes([works, works], 2) == doctor.ProfileResult(**works)
 
 
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def doctor_node(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", f"{PACKAGE}.doctor", "--nnodes", "2", "--master-addr", "localhost", *args],
@@ -312,10 +322,14 @@ def doctor_node(*args: str) -> subprocess.Popen:
 def test_a_doctor_waiting_for_the_other_nodes_stops_at_ctrl_c_in_one_line(rank):
     """Node 0 waiting for the others, node 1 for node 0 (an image still pulling): SIGINT stops
     either at once, with one line and 130, not at the end of --join-timeout-s."""
-    node = doctor_node(
-        "--node-rank", rank, "--master-port", str(free_port()), "--join-timeout-s", "600"
-    )
-    time.sleep(8)  # its imports, then the wait
+    port = free_port()
+    node = doctor_node("--node-rank", rank, "--master-port", str(port), "--join-timeout-s", "600")
+    if rank == "0":  # waiting once it listens for the others
+        deadline = time.monotonic() + 300
+        while not listening(port) and node.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    else:  # its imports, then the wait (a SIGINT during the imports is one line too)
+        time.sleep(8)
     node.send_signal(signal.SIGINT)
     out, err = node.communicate(timeout=30)
     assert node.returncode == 130 and out == "", out + err

@@ -26,6 +26,7 @@ across all nodes (start training), 1 when it fails or hangs there, or a node did
 report names the fastest profile that works as the remedy), 2 for a bad argument.
 """
 
+# ruff: noqa: E402 (the imports after the start-up handler below)
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,22 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
+
+from .exits import Exit, Parser
+
+STOPPED = "stopped by SIGINT; nothing was measured to the end"
+
+
+def stopped_while_starting(signum: int, frame: object) -> NoReturn:
+    """Ctrl-C while torch and Hydra import (seconds): nothing has started, one line all the same
+    (a KeyboardInterrupt inside an import leaves a traceback, or a half-imported module)."""
+    print(f"{__package__}.doctor: {STOPPED}", file=sys.stderr, flush=True)
+    os._exit(Exit.INTERRUPTED)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, stopped_while_starting)
 
 import torch
 from hydra import compose, initialize_config_module
@@ -47,7 +64,6 @@ from omegaconf import OmegaConf
 
 from . import nccl, probe
 from .config import TrainConfig, register_configs
-from .exits import Exit, Parser
 
 PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto
@@ -634,6 +650,9 @@ def default_profile() -> str:
 
 
 def main() -> int:
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # the imports are done: KeyboardInterrupt
     parser = Parser(
         prog=f"{PACKAGE}.doctor", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -690,9 +709,7 @@ def main() -> int:
             f"{parser.prog}: {err}; do not start training: the nodes could not all-reduce together\n",
         )
     except KeyboardInterrupt:
-        parser.exit(
-            Exit.INTERRUPTED, f"{parser.prog}: stopped by SIGINT; nothing was measured to the end\n"
-        )
+        parser.exit(Exit.INTERRUPTED, f"{parser.prog}: {STOPPED}\n")
     if several is not None and several.rank > 0:
         print(
             f"node {several.rank}: results sent to node 0, which prints the table; its verdict: exit {report['verdict']}"
