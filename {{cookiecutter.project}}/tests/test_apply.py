@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddp_project import PROJECT
 from ddp_project.k8s import apply, meta
 
 NAME, NAMESPACE = "p", "ns"
@@ -42,8 +43,11 @@ def folder(tmp_path, monkeypatch) -> Path:
 class Fake:
     """kubectl's calls, answered from `there` (the cluster's objects); `on` raises at a verb."""
 
-    def __init__(self, there: list[dict] | None = None, on: dict | None = None):
+    def __init__(
+        self, there: list[dict] | None = None, on: dict | None = None, forbid_all: bool = False
+    ):
         self.there, self.on, self.calls = there or [], on or {}, []
+        self.forbid_all = forbid_all  # RBAC: no right to list every namespace
 
     def __call__(self, *args: str, stdin: str | None = None) -> str:
         self.calls.append(args)
@@ -59,7 +63,14 @@ class Fake:
             kind = {r: k for k, r in {**apply.WORKLOADS, **apply.REPLACED_IF_STALE}.items()}[
                 args[1]
             ]
-            return json.dumps({"items": [i for i in self.there if i["kind"] == kind]})
+            if "-A" in args and self.forbid_all:
+                raise apply.Refused('Error from server (Forbidden): jobs.batch is forbidden: User "u" '
+                                    'cannot list resource "jobs" in API group "batch" at the cluster scope')  # fmt: skip
+            namespace = args[args.index("-n") + 1] if "-n" in args else None
+            return json.dumps({"items": [
+                i for i in self.there
+                if i["kind"] == kind and namespace in (None, i["metadata"].get("namespace", NAMESPACE))
+            ]})  # fmt: skip
         return ""
 
     def verbs(self) -> list[str]:
@@ -167,6 +178,54 @@ def test_only_what_carries_all_the_projects_labels_is_deleted(folder, monkeypatc
         for call in fake.calls
         if call[0] == "delete" and "job/" in call[3]
     )
+
+
+def test_this_projects_job_under_an_earlier_name_or_namespace_is_named_and_kept(
+    folder, monkeypatch, capsys
+):
+    """A new deploy.name or deploy.namespace replaces nothing: the job left under the old one is
+    named, with the delete that stops it; another project's job (its own part-of) is not."""
+    renamed, moved = (
+        job("old"),
+        job() | {"metadata": job()["metadata"] | {"namespace": "elsewhere"}},
+    )
+    theirs = job("q", labels=meta.labels("q") | {meta.PART_OF_LABEL: "another-project"})
+    fake = Fake([job(), renamed, moved, theirs])
+    monkeypatch.setattr(apply, "kubectl", fake)
+    assert apply.main(folder) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "is this project's training job too" in line]
+    assert notes == [
+        f"note: Job/old in {NAMESPACE} is this project's training job too, under an earlier deploy.name or "
+        "deploy.namespace, and keeps running with its GPUs (its checkpoints: old-runs-rwo): "
+        f"kubectl delete -n {NAMESPACE} job/old stops it",
+        f"note: Job/{NAME} in elsewhere is this project's training job too, under an earlier deploy.name or "
+        f"deploy.namespace, and keeps running with its GPUs (its checkpoints: {NAME}-runs-rwo): "
+        f"kubectl delete -n elsewhere job/{NAME} stops it",
+    ], out
+    assert "could not be listed" not in out
+    assert [call[1:4] for call in fake.calls if call[0] == "delete"] == [
+        ("-n", NAMESPACE, f"job/{NAME}")
+    ]
+
+
+def test_where_every_namespace_cannot_be_listed_the_jobs_own_is_and_the_note_says_how_to_look(
+    folder, monkeypatch, capsys
+):
+    fake = Fake([job("old")], forbid_all=True)
+    monkeypatch.setattr(apply, "kubectl", fake)
+    assert apply.main(folder) == 0
+    out = capsys.readouterr().out
+    assert f"note: Job/old in {NAMESPACE} is this project's training job too" in out
+    monkeypatch.setattr(apply, "kubectl", Fake([]))  # every namespace seen, nothing there: no note
+    assert apply.main(folder) == 0
+    assert "note:" not in capsys.readouterr().out
+    monkeypatch.setattr(apply, "kubectl", Fake([], forbid_all=True))
+    assert apply.main(folder) == 0
+    out = capsys.readouterr().out
+    assert (f"other namespaces could not be listed; a job of an earlier deploy.namespace keeps running: "
+            f"kubectl get jobs.batch,jobsets.jobset.x-k8s.io,pytorchjobs.kubeflow.org,trainjobs.trainer.kubeflow.org "
+            f"-A -l {meta.PART_OF_LABEL}={PROJECT},{meta.COMPONENT_LABEL}=training lists them") in out, out  # fmt: skip
 
 
 def test_an_unchanged_k8s_restarts_nothing(folder, monkeypatch, capsys):

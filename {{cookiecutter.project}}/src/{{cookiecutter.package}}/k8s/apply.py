@@ -32,9 +32,10 @@ from typing import Any
 
 import yaml
 
+from .. import PROJECT
 from ..exits import Exit
 from .flavors import FLAVORS
-from .meta import COMPONENT_LABEL, NAME_LABEL, labels
+from .meta import COMPONENT_LABEL, NAME_LABEL, PART_OF_LABEL, TRAINING, identity
 
 # The kinds this project renders that a new render may leave behind, as kubectl names them.
 WORKLOADS = {flavor.kind: flavor.resource for flavor in FLAVORS.values()}
@@ -201,7 +202,7 @@ def load(folder: Path) -> list[tuple[str, dict[str, Any]]]:
         namespace = workloads[0]["metadata"].get("namespace")
         for file, manifest in found:
             metadata = manifest["metadata"]
-            if not labels(str(name)).items() <= metadata["labels"].items():
+            if not identity(str(name)).items() <= metadata["labels"].items():
                 odd.append(f"{file} (not labelled {NAME_LABEL}={name},{COMPONENT_LABEL}=training)")
             elif metadata.get("namespace") != namespace:
                 odd.append(f"{file} (namespace {metadata.get('namespace')}, not {namespace})")
@@ -310,11 +311,39 @@ def on_cluster(namespace: str, known: set[str]) -> list[dict[str, Any]]:
     return found
 
 
+def earlier_jobs(workload: dict[str, Any], known: set[str]) -> tuple[list[dict[str, Any]], bool]:
+    """This project's training workloads under another deploy.name or deploy.namespace: a new job
+    replaces none of them, and each keeps running with its GPUs. Looked for in every namespace
+    where the user may list them, else in the job's own; True when every namespace was seen."""
+    name, namespace = workload["metadata"]["name"], workload["metadata"]["namespace"]
+    wanted = {PART_OF_LABEL: PROJECT, COMPONENT_LABEL: TRAINING}
+    selector = ",".join(f"{key}={value}" for key, value in wanted.items())
+    found, everywhere = [], True
+    for resource in WORKLOADS.values():
+        if resource not in known:
+            continue
+        try:
+            listed = kubectl("get", resource, "-A", "-l", selector, "-o", "json")
+        except Unreachable:
+            raise
+        except Refused:  # not allowed to list every namespace (RBAC): the job's own
+            everywhere = False
+            listed = kubectl("get", resource, "-n", namespace, "-l", selector, "-o", "json")
+        found += (json.loads(listed) if listed.strip() else {}).get("items", [])
+    return [
+        item
+        for item in found
+        if wanted.items() <= (item["metadata"].get("labels") or {}).items()
+        and (item["metadata"]["namespace"], item["metadata"]["name"]) != (namespace, name)
+        and "deletionTimestamp" not in item["metadata"]
+    ], everywhere
+
+
 def to_delete(objects: list[dict[str, Any]], there: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The project's objects on the cluster that the apply replaces or leaves stale: those that
     carry all its labels (a user's <name>-eval Job with the name label alone is not its)."""
     (workload,) = [m for m in objects if m["kind"] in WORKLOADS]
-    mine = labels(workload["metadata"]["labels"][NAME_LABEL]).items()
+    mine = identity(workload["metadata"]["labels"][NAME_LABEL]).items()
     rendered = {(m["kind"], m["metadata"]["name"]) for m in objects}
     return [
         item
@@ -347,9 +376,14 @@ def as_sent(manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest | {"metadata": metadata}
 
 
-def notes(workload: dict[str, Any], there: list[dict[str, Any]]) -> list[str]:
+def notes(
+    workload: dict[str, Any],
+    there: list[dict[str, Any]],
+    earlier: list[dict[str, Any]] = (),
+    everywhere: bool = False,
+) -> list[str]:
     """What a user must know about the runs: a new claim starts empty, and a job under another
-    name keeps running."""
+    name or in another namespace keeps running (`earlier`, everywhere the user may look)."""
     name, namespace = workload["metadata"]["name"], workload["metadata"]["namespace"]
     claims = claims_of(workload)
     said = []
@@ -364,16 +398,31 @@ def notes(workload: dict[str, Any], there: list[dict[str, Any]]) -> list[str]:
         said.append(f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 on "
                     f"the empty {new}; {claim} is kept with the old checkpoints: copy them over with a pod "
                     f"that mounts both, or set deploy.runs_claim={claim} if its access mode suits")  # fmt: skip
-    others = [i for i in there if i["kind"] in WORKLOADS and i not in old and claims_of(i) & claims]
+    for job in earlier:
+        kind, other, where = job["kind"], job["metadata"]["name"], job["metadata"]["namespace"]
+        runs = ", ".join(sorted(claims_of(job))) or "no claim"
+        said.append(f"note: {kind}/{other} in {where} is this project's training job too, under an earlier "
+                    f"deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: {runs}): "
+                    f"kubectl delete -n {where} {kind.lower()}/{other} stops it")  # fmt: skip
+    mentioned = {(j["metadata"]["namespace"], j["metadata"]["name"]) for j in earlier}
+    others = [
+        i
+        for i in there
+        if i["kind"] in WORKLOADS
+        and i not in old
+        and claims_of(i) & claims
+        and (i["metadata"]["namespace"], i["metadata"]["name"]) not in mentioned
+    ]
     for other in others:
         said.append(f"note: {other['kind']}/{other['metadata']['name']} in {namespace} mounts "
                     f"{', '.join(sorted(claims_of(other) & claims))} too and keeps running (an earlier "
                     f"deploy.name?): kubectl delete -n {namespace} {other['kind'].lower()}/{other['metadata']['name']} "
                     "stops it")  # fmt: skip
-    if not old and not others:
-        said.append(f"note: nothing of {name} ran in {namespace}; a job of an earlier deploy.name or "
-                    f"deploy.namespace keeps running: kubectl get {','.join(WORKLOADS.values())} -A "
-                    f"-l {COMPONENT_LABEL}=training lists them")  # fmt: skip
+    if not old and not others and not earlier and not everywhere:
+        said.append(f"note: nothing of {name} ran in {namespace}, and other namespaces could not be listed; a "
+                    "job of an earlier deploy.namespace keeps running: kubectl get "
+                    f"{','.join(WORKLOADS.values())} -A -l {PART_OF_LABEL}={PROJECT},{COMPONENT_LABEL}={TRAINING} "
+                    "lists them")  # fmt: skip
     return said
 
 
@@ -416,6 +465,7 @@ def main(folder: Path = Path("k8s")) -> int:
         try:
             known = set(kubectl("api-resources", "-o", "name").split())
             there = on_cluster(namespace, known)
+            earlier, everywhere = earlier_jobs(workload, known)
         except Refused as refused:
             return fail(f"{refused}; nothing was changed")
         kind_and_name = f"{workload['kind'].lower()}/{workload['metadata']['name']}"
@@ -426,7 +476,7 @@ def main(folder: Path = Path("k8s")) -> int:
             )  # the other objects, in place; the workload is as sent
             print(f"k8s/ is unchanged: {kind_and_name} keeps running")
             return Exit.OK
-        for line in notes(workload, there):
+        for line in notes(workload, there, earlier, everywhere):
             print(line)
         state = f"{folder}/ is not applied: run make k8s-apply again"
         for item in to_delete(objects, there):

@@ -32,7 +32,7 @@ import yaml
 
 from ..exits import Exit, Parser
 from .apply import Refused, TimedOut, Unreachable, kubectl, server_check
-from .meta import DOCTOR, NAME_LABEL, labels, manifest
+from .meta import DOCTOR, NAME_LABEL, identity, manifest
 from .pods import Launch, nccl_env, pod_metadata, pod_spec, torchrun_launch, trainer_container
 from .render import Dumper
 
@@ -187,7 +187,7 @@ def run(found: list[dict], wait_s: float) -> int:
     project = job["metadata"]["labels"][NAME_LABEL]
     server_check([(f"{o['kind'].lower()}/{o['metadata']['name']}", o) for o in found])
     # Only the doctor's Job: its pod template cannot change in place; the training's are never listed.
-    selector = ",".join(f"{k}={v}" for k, v in labels(project, DOCTOR).items())
+    selector = ",".join(f"{k}={v}" for k, v in identity(project, DOCTOR).items())
     kubectl("delete", "jobs.batch", "-n", namespace, "-l", selector, "--cascade=foreground",
             "--wait", "--ignore-not-found", "--timeout=120s")  # fmt: skip
     print(kubectl("apply", "-f", "-", stdin=as_yaml(found)), end="")

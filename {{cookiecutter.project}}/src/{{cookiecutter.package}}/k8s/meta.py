@@ -8,8 +8,14 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from .. import PROJECT
+
 NAME_LABEL = "app.kubernetes.io/name"  # every object of the project carries it: make k8s-apply finds them by it
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# The project's, whatever deploy.name and deploy.namespace: make k8s-apply finds by it a job left
+# running under an earlier name or in another namespace. Never in a selector that deletes: objects
+# applied before it existed lack it.
+PART_OF_LABEL = "app.kubernetes.io/part-of"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue admits the job through this LocalQueue
 PRIORITY_LABEL = (
     "kueue.x-k8s.io/priority-class"  # Kueue orders and preempts by this WorkloadPriorityClass
@@ -27,8 +33,13 @@ TRAINING = "training"  # the component of what make k8s-apply applies, and delet
 DOCTOR = "doctor"  # make k8s-doctor's: make k8s-apply never lists it, so never deletes it
 
 
-def labels(name: str, component: str = TRAINING) -> dict[str, str]:
+def identity(name: str, component: str = TRAINING) -> dict[str, str]:
+    """The labels that say an object is this one's to replace or delete."""
     return {NAME_LABEL: name, COMPONENT_LABEL: component}
+
+
+def labels(name: str, component: str = TRAINING) -> dict[str, str]:
+    return {**identity(name, component), PART_OF_LABEL: PROJECT}
 
 
 def label_text(value: str | bool | int) -> str:
