@@ -135,12 +135,12 @@ PLATFORM_SETTINGS = [
 # would for each (its check included): 12 renders of the command line would take a minute.
 RENDER_ALL = """
 import json, sys
-from ddp_project.check import compose_and_check
+from ddp_project.config.compose import compose_and_check
 from ddp_project.k8s import checks, render
 from ddp_project.k8s.__main__ import deploy_and_profile
 from ddp_project.k8s.flavors import FLAVORS
 from ddp_project.k8s.pods import nccl_env
-from ddp_project.overrides import hydra_overrides
+from ddp_project.config.overrides import hydra_overrides
 deploy, profile = deploy_and_profile(compose_and_check(hydra_overrides(sys.argv[1:]), this_node=False))
 out = {}
 for flavor in FLAVORS:

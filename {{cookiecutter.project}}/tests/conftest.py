@@ -17,7 +17,7 @@ import yaml
 from heartbeat import register as register_heartbeat
 from hydra import compose, initialize_config_module
 
-from ddp_project.config import register_configs
+from ddp_project.config.schema import register_configs
 
 # One thread per process for what the tests start and for torch in the test processes, as
 # torchrun gives each worker: on 2 cores, with several test workers and ranks at once, a thread

@@ -15,9 +15,9 @@ from conftest import PACKAGE
 from omegaconf import OmegaConf
 
 from ddp_project import bench
-from ddp_project.config import GptConfig, TokensConfig, TrainConfig
+from ddp_project.config.schema import GptConfig, TokensConfig, TrainConfig
+from ddp_project.core.world import World
 from ddp_project.model import build_model
-from ddp_project.world import World
 
 
 def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, monkeypatch,

@@ -8,9 +8,10 @@ import sys
 import pytest
 import yaml
 from conftest import PACKAGE
-from omegaconf import OmegaConf
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
 
-from ddp_project.check import config_problem
+from ddp_project.config.compose import config_problem
 
 BAD = [
     ("nccl.p2p_disable=maybe", "nccl.p2p_disable: Value 'maybe' is not a valid bool"),
@@ -270,8 +271,8 @@ NCCL_FORMS = [
 
 @pytest.mark.parametrize(("overrides", "env"), NCCL_FORMS, ids=[o for o, _ in NCCL_FORMS])
 def test_nccl_values_work_as_nccl_writes_them(overrides, env):
-    from ddp_project import nccl
-    from ddp_project.check import compose_and_check
+    from ddp_project.config.compose import compose_and_check
+    from ddp_project.nccl import decision as nccl
 
     config = compose_and_check(["nccl=nccl_default", *overrides.split()])
     assert nccl.decide(config.nccl, None, inherited={}).env == env
@@ -306,15 +307,15 @@ def configs_copy(tmp_path):
 @pytest.mark.parametrize("profile", ["auto", "nccl_default", "pcie_safe", "socket", "infiniband"])
 def test_the_config_names_the_nccl_profile_it_was_composed_with(profile):
     """What the NCCL report, a failure's remedy block and the bench show, and k8s writes to."""
-    from ddp_project.check import compose_and_check
+    from ddp_project.config.compose import compose_and_check
 
     assert compose_and_check([f"nccl={profile}"], this_node=False).nccl.profile == profile
 
 
 def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy):
     """Set on the command line, or a profile file copied from another without its name changed."""
-    from ddp_project.check import compose_and_check, describe
-    from ddp_project.config_error import ConfigError
+    from ddp_project.config.compose import compose_and_check, describe
+    from ddp_project.config.error import ConfigError
 
     assert config_problem(["nccl=pcie_safe", "nccl.profile=socket"]) == (
         "nccl.profile=socket: must be pcie_safe, the name of the profile nccl=pcie_safe chose; "
@@ -330,7 +331,7 @@ def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy)
 
 def test_a_profile_file_of_ones_own_without_its_name_is_named_by_its_file(configs_copy):
     """A profile written before nccl.profile existed, or without the line: the file's name."""
-    from ddp_project.check import compose_and_check
+    from ddp_project.config.compose import compose_and_check
 
     nccl = configs_copy / "nccl"
     mine = "".join(
@@ -341,14 +342,22 @@ def test_a_profile_file_of_ones_own_without_its_name_is_named_by_its_file(config
     assert compose_and_check(["nccl=mine"], configs_copy, this_node=False).nccl.profile == "mine"
 
 
-def test_the_checked_job_is_forgotten_when_it_ends(monkeypatch):
-    """A later main() in the same process (a test, a notebook) into the same run dir is checked
-    anew, not handed the previous job's config."""
-    from ddp_project import check
+def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy):
+    """Hydra hands train's task function the config without its hydra node; main says which
+    profile nccl=<name> chose, so a profile file of one's own without `profile:` is still named."""
+    from ddp_project.config.compose import compose_train
+    from ddp_project.config.validate import check_composed
 
-    monkeypatch.setattr(check, "_job", check.CheckedJob(OmegaConf.create({}), None))
-    check.ConfigCheck().on_job_end(OmegaConf.create({}))
-    assert check._job is None
+    nccl = configs_copy / "nccl"
+    mine = "".join(
+        line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
+        if not line.startswith("profile:")
+    )  # fmt: skip
+    (nccl / "mine.yaml").write_text(mine)
+    composed = compose_train(["nccl=mine"], configs_copy)
+    with open_dict(composed):
+        composed.pop("hydra")  # as Hydra hands the task function its config
+    assert check_composed(composed, this_node=False, nccl_choice="mine").nccl.profile == "mine"
 
 
 NOT_YAML = [
@@ -376,8 +385,8 @@ NOT_YAML = [
 def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     configs_copy, text, message
 ):
-    from ddp_project.check import compose_and_check, describe
-    from ddp_project.config_error import ConfigError
+    from ddp_project.config.compose import compose_and_check, describe
+    from ddp_project.config.error import ConfigError
 
     (configs_copy / "local" / "default.yaml").write_bytes(text)
     with pytest.raises(ConfigError) as failure:
@@ -402,8 +411,8 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
 def test_a_defaults_entry_that_names_no_config_is_one_line_naming_the_file(
     configs_copy, entry, message
 ):
-    from ddp_project.check import compose_and_check, describe
-    from ddp_project.config_error import ConfigError
+    from ddp_project.config.compose import compose_and_check, describe
+    from ddp_project.config.error import ConfigError
 
     mlp = configs_copy / "model" / "mlp.yaml"
     mlp.write_text(mlp.read_text().replace("  - /mlp_schema ", f"  - {entry} ", 1))
@@ -415,7 +424,7 @@ def test_a_defaults_entry_that_names_no_config_is_one_line_naming_the_file(
 def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuses(configs_copy):
     """overrides.hydras_yaml_loaders: libyaml's parser under OmegaConf's constructor, checked
     against OmegaConf's own loader on every file the project ships and on each refused above."""
-    from ddp_project.overrides import hydras_yaml_loaders
+    from ddp_project.config.overrides import hydras_yaml_loaders
 
     fast, exact = hydras_yaml_loaders()
     assert fast is not exact  # PyYAML's wheels carry libyaml
@@ -430,8 +439,8 @@ def test_the_fast_yaml_loader_reads_what_hydras_reads_and_refuses_what_it_refuse
 
 
 def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
-    from ddp_project.check import compose_and_check
-    from ddp_project.config_error import ConfigError
+    from ddp_project.config.compose import compose_and_check
+    from ddp_project.config.error import ConfigError
 
     (configs_copy / "local" / "default.yaml").mkdir()
     with pytest.raises(ConfigError, match=r"default.yaml: cannot be read \(Is a directory\)$"):
@@ -442,7 +451,7 @@ def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
     configs_copy, monkeypatch, capsys
 ):
     """train's command line (overrides.hydra_argv) reads configs/ before Hydra does."""
-    from ddp_project import overrides
+    from ddp_project.config import overrides
 
     (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
     monkeypatch.setattr(overrides, "configs_folder", lambda: configs_copy)
@@ -493,13 +502,27 @@ def test_check_for_a_number_of_processes(monkeypatch, capsys, nproc, message):
 
 @pytest.mark.parametrize("hook", ["on_run_start", "on_multirun_start", "on_job_start"])
 def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys, hook):
-    from ddp_project.check import ConfigCheck
+    from ddp_project.config.compose import ConfigCheck
 
     with pytest.raises(SystemExit) as stopped:
         bad = compose_train("trainer.max_steps=-1")
+        if hook == "on_job_start":  # a sweep's job: a run's one is checked on_run_start
+            with open_dict(bad):
+                bad.hydra = {"mode": RunMode.MULTIRUN}
         getattr(ConfigCheck(), hook)(config=bad, task_function=None)  # as Hydra calls them
     assert stopped.value.code == 2
     assert capsys.readouterr().err == "config error: trainer.max_steps=-1: must be at least 1\n"
+
+
+def test_a_runs_one_job_is_checked_once_before_its_run_dir_exists(compose_train):
+    """In a run (not a sweep), on_run_start has checked the job's config: on_job_start, which
+    Hydra calls after creating the run dir, does not check it again."""
+    from ddp_project.config.compose import ConfigCheck
+
+    bad = compose_train("trainer.max_steps=-1")
+    with open_dict(bad):
+        bad.hydra = {"mode": RunMode.RUN}
+    ConfigCheck().on_job_start(config=bad, task_function=None)  # no exit: left to on_run_start
 
 
 @pytest.mark.parametrize(
@@ -509,22 +532,25 @@ def test_a_run_a_sweep_and_each_job_of_a_sweep_are_checked(compose_train, capsys
 )
 def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
     """train's main under Hydra, in this process as `python -m` runs it: ConfigCheck checks each
-    job's config once (the deploy checks with it), and RunDirGuard and main take its result. A
-    sweep checks its base config too, before any job starts."""
-    from ddp_project import check, deploy_config, rundir, train
+    job's config (the deploy checks with it) before its run dir exists, and main trains that job's
+    own config, read from what Hydra hands it. A sweep checks its base config too, first."""
+    from ddp_project import train
+    from ddp_project.config import compose as check
+    from ddp_project.config import deploy as deploy_config
+    from ddp_project.run import rundir
 
     checked, deploy_checks, trained = [], [], []
-    real_check, real_deploy_errors = check.check_composed, deploy_config.deploy_errors
+    real_check, real_deploy_errors = check.checked_or_exit, deploy_config.deploy_errors
 
-    def counted_check(cfg, **kwargs):
-        checked.append(real_check(cfg, **kwargs))
+    def counted_check(cfg):
+        checked.append(real_check(cfg))
         return checked[-1]
 
     def counted_deploy_errors(values):
         deploy_checks.append(values)
         return real_deploy_errors(values)
 
-    monkeypatch.setattr(check, "check_composed", counted_check)
+    monkeypatch.setattr(check, "checked_or_exit", counted_check)
     monkeypatch.setattr(deploy_config, "deploy_errors", counted_deploy_errors)
     monkeypatch.setattr(train, "main_worker", lambda cfg, run_dir, overrides: trained.append(cfg))
     monkeypatch.chdir(tmp_path)
@@ -540,9 +566,10 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
         for held in [tmp_path / "run", *(tmp_path / "sweep").glob("*")]:
             rundir.release(held)
     sweep_base = 1 if jobs > 1 else 0
-    assert len(checked) == len(deploy_checks) == jobs + sweep_base
+    assert len(checked) == jobs + sweep_base
+    assert len(deploy_checks) >= len(checked)
     assert len(trained) == jobs
-    assert all(a is b for a, b in zip(trained, checked[sweep_base:], strict=True))
+    assert trained == checked[sweep_base:]  # equal values: each job's own config
     assert [cfg.nccl.profile for cfg in trained] == ["socket"] * jobs  # the name, in the config
     if jobs > 1:  # each job ran with its own checked config
         assert [cfg.trainer.seed for cfg in trained] == [1, 2]

@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from ddp_project import checkpoint
-from ddp_project.checkpoint import Checkpointer, Diverged, Progress
-from ddp_project.world import World
+from ddp_project.core.world import World
+from ddp_project.run import checkpoint
+from ddp_project.run.checkpoint import Checkpointer, Diverged, Progress
 
 ONE = World()
 
@@ -383,7 +383,7 @@ def test_a_snapshot_fits_in_most_of_the_memory_still_available():
     ],
 )  # fmt: skip
 def test_a_containers_available_memory_is_its_limit_less_what_it_holds(tmp_path, files, held):
-    from ddp_project import oom
+    from ddp_project.run import oom
 
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -415,7 +415,7 @@ def test_a_snapshot_the_host_cannot_hold_makes_the_checkpoints_synchronous(
 
 def test_an_odd_proc_self_cgroup_line_is_skipped(monkeypatch, tmp_path):
     """The check runs inside training: a line it cannot parse must not end the run."""
-    from ddp_project import oom
+    from ddp_project.run import oom
 
     real = oom.Path
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import PACKAGE, shared_folder, torchrun
 
-from ddp_project import checkpoint
-from ddp_project.checkpoint import Checkpointer, Progress
-from ddp_project.world import World
+from ddp_project.core.world import World
+from ddp_project.run import checkpoint
+from ddp_project.run.checkpoint import Checkpointer, Progress
 
 ONE = World()
 

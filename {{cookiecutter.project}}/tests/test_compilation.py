@@ -8,9 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ddp_project import compilation
-from ddp_project.trainer import Trainer
-from ddp_project.world import World
+from ddp_project import data, model  # noqa: F401  (the options' builders, as train imports them)
+from ddp_project.core.world import World
+from ddp_project.run import compilation
+from ddp_project.run.trainer import Trainer
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from ddp_project import nccl
-from ddp_project.config import Backend, TrainConfig
-from ddp_project.config_error import ConfigError
-from ddp_project.validate import check_composed
+from ddp_project.config.error import ConfigError
+from ddp_project.config.schema import Backend, TrainConfig
+from ddp_project.config.validate import check_composed
+from ddp_project.nccl import decision as nccl
 
 PROFILE_ENV = {
     "auto": {},
@@ -27,7 +27,7 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
 
     import yaml
 
-    from ddp_project import config as schemas
+    from ddp_project.config import schema as schemas
 
     config = OmegaConf.to_object(compose_train())
     assert isinstance(config, TrainConfig)
@@ -85,7 +85,7 @@ def test_overrides_reach_the_config(compose_train):
 def test_bad_override_fails_at_compose_in_one_line_that_starts_with_the_key(
     compose_train, override, key
 ):
-    from ddp_project.check import describe
+    from ddp_project.config.compose import describe
 
     with pytest.raises(ConfigCompositionException) as failure:
         compose_train(override)
@@ -136,7 +136,7 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from ddp_project.config import register_configs
+    from ddp_project.config.schema import register_configs
 
     register_configs()
     configs = tmp_path / "configs"
@@ -157,7 +157,7 @@ def test_a_local_override_file_applies_after_the_experiment(tmp_path):
 def test_nccl_overrides_are_rewritten_once_and_only_theirs():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from ddp_project.overrides import hydra_overrides
+    from ddp_project.config.overrides import hydra_overrides
 
     given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
              "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
@@ -180,7 +180,8 @@ def test_configs_are_found_where_the_configs_package_is_not_beside_overrides_py(
     (the Quick start's make test failed on that); overrides.py's place must not matter."""
     from pathlib import Path
 
-    from ddp_project import configs, overrides
+    from ddp_project import configs
+    from ddp_project.config import overrides
 
     package = Path(configs.__file__).parent
     monkeypatch.setattr(overrides, "__file__", "/nowhere/overrides.py")

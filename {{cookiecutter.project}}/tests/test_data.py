@@ -10,18 +10,14 @@ import pytest
 import torch
 from conftest import PACKAGE
 
-from ddp_project import token_files, validate
-from ddp_project.check import compose_and_check, config_problem
-from ddp_project.config_error import ConfigError
-from ddp_project.data import StepBatches, prepare
-from ddp_project.global_batch import (
-    GlobalBatch,
-    GlobalBatchChanged,
-    accepted,
-    on_resume,
-)
-from ddp_project.validate import check_data
-from ddp_project.world import World
+from ddp_project.config import token_files, validate
+from ddp_project.config.compose import compose_and_check, config_problem
+from ddp_project.config.error import ConfigError
+from ddp_project.config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
+from ddp_project.config.validate import check_data
+from ddp_project.core.world import World
+from ddp_project.data import prepare
+from ddp_project.run.batches import StepBatches
 
 GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from conftest import PACKAGE
 
-from ddp_project import allreduce, doctor, probe
+from ddp_project import doctor
+from ddp_project.launcher import worker_exits
+from ddp_project.nccl import allreduce, probe
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ E1201 05:23:11.804000 7771 torch/distributed/elastic/multiprocessing/api.py:1002
 Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-ddp_project.allreduce FAILED
+ddp_project.nccl.allreduce FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -293,14 +295,14 @@ Root Cause (first observed failure):
 @pytest.mark.parametrize("case", sorted(TORCHRUN_FAILURES))
 def test_a_failed_launch_is_named_by_its_root_cause_not_by_torchruns_summary(case):
     output, cause = TORCHRUN_FAILURES[case]
-    assert doctor.root_cause(output) == cause
+    assert worker_exits.root_cause(output) == cause
 
 
 def test_the_blamed_ranks_own_exception_wins_over_an_unlabelled_one():
     # An exception line without a [rankN]: label (a subprocess of another rank, say) comes first.
     output, cause = TORCHRUN_FAILURES["exception"]
     stray = "ValueError: a line that any process could have printed\n"
-    assert doctor.root_cause(stray + output) == cause
+    assert worker_exits.root_cause(stray + output) == cause
 
 
 def test_a_failed_profile_row_names_the_root_cause(monkeypatch):

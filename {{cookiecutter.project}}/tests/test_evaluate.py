@@ -17,12 +17,12 @@ from omegaconf import OmegaConf
 
 from ddp_project import check
 from ddp_project import evaluate as evaluate_module
-from ddp_project.config import HELD_OUT, TrainConfig, register_configs
-from ddp_project.config_error import ConfigError
+from ddp_project.config.error import ConfigError
+from ddp_project.config.schema import HELD_OUT, TrainConfig, register_configs
+from ddp_project.core.world import World
 from ddp_project.data import TokenFile, build_dataset, prepare
 from ddp_project.model import build_model
-from ddp_project.trainer import Trainer
-from ddp_project.world import World
+from ddp_project.run.trainer import Trainer
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 

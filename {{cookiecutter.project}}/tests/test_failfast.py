@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from conftest import PACKAGE, hang_one_rank
 
-from ddp_project import failfast, nccl
-from ddp_project.config import NcclConfig
+from ddp_project.config.schema import NcclConfig
+from ddp_project.nccl import decision as nccl
+from ddp_project.nccl import failfast
 
 NCCL_TIMEOUT = (
     "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import PACKAGE, hang_one_rank, read_metrics, torchrun
 
-from ddp_project import checkpoint, doctor
-from ddp_project.probe import nvidia_smi_topology, nvlink_pairs_from_topo
+from ddp_project import doctor
+from ddp_project.nccl.probe import nvidia_smi_topology, nvlink_pairs_from_topo
+from ddp_project.run import checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

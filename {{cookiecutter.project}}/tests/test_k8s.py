@@ -12,11 +12,11 @@ import yaml
 from conftest import PACKAGE, deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from ddp_project.check import config_problem
-from ddp_project.exits import Exit
+from ddp_project.config.compose import config_problem
+from ddp_project.config.overrides import hydra_overrides
+from ddp_project.core.exits import Exit
 from ddp_project.k8s import apply, meta, pods, render, sync
 from ddp_project.k8s.flavors import FLAVORS
-from ddp_project.overrides import hydra_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = [
@@ -340,8 +340,8 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     assert (out / f"{deploy_defaults()['flavor']}.yaml").exists()
     import torch
 
-    from ddp_project.check import compose_and_check
-    from ddp_project.config_error import ConfigError
+    from ddp_project.config.compose import compose_and_check
+    from ddp_project.config.error import ConfigError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert compose_and_check(["dist.backend=nccl"], this_node=False).dist.backend.value == "nccl"
@@ -863,7 +863,7 @@ def test_a_write_that_fails_halfway_leaves_every_file_as_it_was(tmp_path, monkey
 
 
 def test_ctrl_c_while_rendering_is_one_line(monkeypatch, capsys):
-    from ddp_project import check
+    from ddp_project.config import compose as check
     from ddp_project.k8s import __main__ as cli
 
     def interrupted(*args, **kwargs):

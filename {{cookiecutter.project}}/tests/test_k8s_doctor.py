@@ -17,8 +17,8 @@ import yaml
 from conftest import PACKAGE, trainer_container
 from test_multinode import NODES, finish, free_port, hosts, node_env  # noqa: F401
 
-from ddp_project import PROJECT, check, doctor
-from ddp_project.k8s import __main__ as cli
+from ddp_project import PROJECT, doctor
+from ddp_project.config import compose as check
 from ddp_project.k8s import apply, render
 from ddp_project.k8s import doctor as k8s_doctor
 from ddp_project.k8s.flavors import FLAVORS
@@ -41,7 +41,7 @@ def rendered(flavor: str, nodes: int, *overrides: str) -> tuple[dict, list[dict]
          "deploy.runs_access_mode=ReadWriteMany", *overrides],
         this_node=False,
     )  # fmt: skip
-    deploy, profile = cli.deploy_and_profile(config)
+    deploy, profile = render.deploy_and_profile(config)
     training = yaml.safe_load(render.manifests(deploy, nccl_env(profile))[f"{flavor}.yaml"])
     return training, k8s_doctor.objects(deploy, profile)
 
@@ -128,9 +128,9 @@ def doctor_cli(
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--wait-s", "abc"], "argument --wait-s: must be seconds, above 0 and at most a week; got 'abc'"),
-        (["--wait-s", "0"], "argument --wait-s: must be seconds, above 0 and at most a week; got '0'"),
-        (["--wait-s", ""], "argument --wait-s: must be seconds, above 0 and at most a week; got ''"),
+        (["--wait-s", "abc"], "argument --wait-s: must be a number of seconds above 0 and at most a week; got 'abc'"),
+        (["--wait-s", "0"], "argument --wait-s: must be a number of seconds above 0 and at most a week; got '0'"),
+        (["--wait-s", ""], "argument --wait-s: must be a number of seconds above 0 and at most a week; got ''"),
         (["--wait-s", "1e308"], "at most a week; got '1e308'"),
         (["--wait-s", "nan"], "at most a week; got 'nan'"),
         (["deploy.nodes=0"], "config error: deploy.nodes"),
@@ -373,7 +373,7 @@ def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path):
     """A profile's torchrun runs in its own session (the hard timeout kills its group), so the
     terminal's SIGINT never reaches it: the doctor's Ctrl-C must take it down too."""
     pid_file = tmp_path / "child.pid"
-    code = (f"from {PACKAGE} import probe; "
+    code = (f"from {PACKAGE}.nccl import probe; "
             f"probe.run_with_hard_timeout(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 300'], 600)")  # fmt: skip
     caller = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

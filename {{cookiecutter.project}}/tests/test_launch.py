@@ -30,16 +30,10 @@ from conftest import (
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import get_args_parser
 
-from ddp_project import (
-    checkpoint,
-    oom,
-    run_dir_plan,
-    stopping,
-    torchrun_args,
-    train,
-    worker_exits,
-)
 from ddp_project import launch as launcher
+from ddp_project import train
+from ddp_project.launcher import run_dir_plan, torchrun_args, worker_exits
+from ddp_project.run import checkpoint, oom, stopping
 
 TORCHRUN = get_args_parser()
 

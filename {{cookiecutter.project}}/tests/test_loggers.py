@@ -10,15 +10,18 @@ import pytest
 from conftest import needs
 from omegaconf import OmegaConf
 
-from ddp_project import PROJECT, check, failfast, loggers, metrics
-from ddp_project.check import config_problem
-from ddp_project.config_error import ConfigError
-from ddp_project.logger_config import (
+from ddp_project import PROJECT, check
+from ddp_project.config import compose, logger_probes
+from ddp_project.config.compose import config_problem
+from ddp_project.config.error import ConfigError
+from ddp_project.config.loggers import (
     CsvLoggerConfig,
     LoggersConfig,
     MlflowLoggerConfig,
     TensorBoardConfig,
 )
+from ddp_project.nccl import failfast
+from ddp_project.record import loggers, metrics
 
 
 def chosen(compose_train, *overrides: str) -> list[str]:
@@ -131,7 +134,7 @@ def test_check_names_an_unreachable_tracking_server_at_once(figure):
     )
     started = time.monotonic()
     with pytest.raises(ConfigError):  # refused at once: no wait for the probe's 60 s timeout
-        loggers.check(LoggersConfig(mlflow=MlflowLoggerConfig(uri, None)), timeout_s=60)
+        logger_probes.check(LoggersConfig(mlflow=MlflowLoggerConfig(uri, None)), timeout_s=60)
     seconds = time.monotonic() - started
     figure(f"{seconds:.2f} s to find that no MLflow server answers (refused)")
     assert seconds < 30
@@ -163,7 +166,7 @@ def test_a_server_gone_when_the_logger_starts_fails_fast_naming_it(tmp_path, mon
     uri = f"http://127.0.0.1:{closed_port()}"
     cfg = LoggersConfig(tensorboard=TensorBoardConfig(), mlflow=MlflowLoggerConfig(uri, None))
     started = time.monotonic()
-    with pytest.raises(loggers.LoggerError) as failed:
+    with pytest.raises(logger_probes.LoggerError) as failed:
         loggers.build(cfg, tmp_path, 0, {"dist": {"timeout_s": 16}})
     seconds = time.monotonic() - started
     figure(f"{seconds:.1f} s for the logger's start to give up on a server that is gone")
@@ -267,7 +270,7 @@ def test_train_checks_the_loggers_in_every_process_before_the_run_dir_exists(
     """python -m <package>.train under torchrun skips the launcher: its ConfigCheck refuses."""
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(SystemExit) as ended:
-        check.ConfigCheck().on_run_start(compose_train("logger=[tensorboard,wandb]"))
+        compose.ConfigCheck().on_run_start(compose_train("logger=[tensorboard,wandb]"))
     assert ended.value.code == 2
     assert capsys.readouterr().err.startswith("config error: logger.wandb: needs the wandb package")
 
@@ -275,4 +278,4 @@ def test_train_checks_the_loggers_in_every_process_before_the_run_dir_exists(
 def test_rendering_for_a_cluster_does_not_ask_this_machine_for_logger_packages(monkeypatch):
     """k8s/ is rendered on a laptop for the image's pods: what is installed here does not count."""
     monkeypatch.setitem(sys.modules, "wandb", None)
-    assert check.compose_and_check(["logger=wandb"], this_node=False).logger.chosen() == ["wandb"]
+    assert compose.compose_and_check(["logger=wandb"], this_node=False).logger.chosen() == ["wandb"]

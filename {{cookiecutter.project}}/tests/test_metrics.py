@@ -20,8 +20,8 @@ from conftest import PACKAGE, needs, read_metrics, shared_folder, torchrun, trai
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddp_project import loggers, metrics
-from ddp_project.logger_config import CsvLoggerConfig, LoggersConfig
+from ddp_project.config.loggers import CsvLoggerConfig, LoggersConfig
+from ddp_project.record import loggers, metrics
 
 RUN = ("trainer.max_steps=60", "trainer.log_every=20", "trainer.warmup_steps=40")
 MEASURED = ("dist.time_comm=true", "trainer.max_grad_norm=1.0")  # the columns left empty by default

@@ -29,13 +29,13 @@ import yaml
 from conftest import deploy_defaults, launcher_bin, read_metrics, trainer_container, worker_pids
 from torch.distributed.run import config_from_args
 
-from ddp_project import check, launch
-from ddp_project.checkpoint import checkpoint_paths
-from ddp_project.k8s import __main__ as cli
+from ddp_project import launch
+from ddp_project.config import compose as check
 from ddp_project.k8s import render
 from ddp_project.k8s.flavors import FLAVORS
 from ddp_project.k8s.pods import nccl_env
 from ddp_project.launch import COMMAND
+from ddp_project.run.checkpoint import checkpoint_paths
 
 NODES, GPUS = 2, 2
 SUBNET = "10.231.7"  # host i is SUBNET.(i + 1)
@@ -162,7 +162,7 @@ def rendered_pods(flavor: str, gpus: int, *deploy: str) -> dict:
         ],
         this_node=False,
     )
-    deploy, profile = cli.deploy_and_profile(config)
+    deploy, profile = render.deploy_and_profile(config)
     manifest = yaml.safe_load(render.manifests(deploy, nccl_env(profile))[f"{flavor}.yaml"])
     if flavor == "job":
         assert manifest["spec"]["completionMode"] == "Indexed"

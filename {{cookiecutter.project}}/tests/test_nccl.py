@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from ddp_project import nccl
-from ddp_project.config import NcclConfig
-from ddp_project.config_error import ConfigError
-from ddp_project.probe import active_ib_ports, nvlink_pairs_from_topo
+from ddp_project.config.error import ConfigError
+from ddp_project.config.schema import NcclConfig
+from ddp_project.nccl import decision as nccl
+from ddp_project.nccl.probe import active_ib_ports, nvlink_pairs_from_topo
 
 
 def facts(

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddp_project.model import Gpt, Mlp
-from ddp_project.perf import mfu, peak_flops
+from ddp_project.record.perf import mfu, peak_flops
 
 
 def test_a_gpts_flops_per_token_are_nanogpts_count():

@@ -8,9 +8,10 @@ import time
 import pytest
 from conftest import PACKAGE
 
-from ddp_project import nccl, probe
-from ddp_project.config import NcclConfig
-from ddp_project.world import World
+from ddp_project.config.schema import NcclConfig
+from ddp_project.core.world import World
+from ddp_project.nccl import decision as nccl
+from ddp_project.nccl import probe
 
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -63,7 +64,7 @@ def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monke
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
     reader = subprocess.Popen(
         [sys.executable, "-c",
-         f"from pathlib import Path; from {PACKAGE}.probe import shared_node_facts; "
+         f"from pathlib import Path; from {PACKAGE}.nccl.probe import shared_node_facts; "
          f"print(shared_node_facts(Path({str(tmp_path)!r}), local_rank=1, wait_s=60).to_json())"],
         stdout=subprocess.PIPE, text=True, env=os.environ,
     )  # fmt: skip

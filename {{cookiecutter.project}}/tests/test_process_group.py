@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_project import process_group
-from ddp_project.world import World
+from ddp_project.core.world import World
+from ddp_project.nccl import process_group
 
 
 class CollectiveFailed(Exception):

@@ -9,9 +9,9 @@ import yaml
 from conftest import deploy_defaults, trainer_container
 from omegaconf import OmegaConf
 
-from ddp_project import nccl
 from ddp_project.k8s import render, sync
 from ddp_project.k8s.pods import nccl_env
+from ddp_project.nccl import decision as nccl
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "ddp_project"
@@ -202,7 +202,8 @@ def test_values_live_in_the_yaml_and_the_schemas_hold_none():
 
     from omegaconf import MISSING
 
-    from ddp_project import config, deploy_config
+    from ddp_project.config import deploy as deploy_config
+    from ddp_project.config import schema as config
 
     schemas = [config.MlpConfig, config.GptConfig, config.PointsConfig, config.TokensConfig,
                config.TrainerConfig, config.DistConfig, deploy_config.DeployConfig, config.TrainConfig]  # fmt: skip

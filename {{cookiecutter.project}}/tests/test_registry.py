@@ -20,26 +20,22 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_project import (
-    checkpoint,
-    config,
-    evaluate,
-    registry,
-    rundir,
-    validate,
-)
-from ddp_project.check import compose_and_check
-from ddp_project.config import (
+from ddp_project import data, evaluate, model  # noqa: F401  (the options' builders, as train imports them)
+from ddp_project.config import schema as config
+from ddp_project.config.compose import compose_and_check
+from ddp_project.config.error import ConfigError, require
+from ddp_project.config.schema import (
     HELD_OUT,
     DataConfig,
     MlpConfig,
     PointsConfig,
     register_configs,
 )
-from ddp_project.config_error import ConfigError, require
+from ddp_project.config import registry, validate
+from ddp_project.core.world import World
 from ddp_project.model import build_model
-from ddp_project.trainer import Trainer
-from ddp_project.world import World
+from ddp_project.run import checkpoint, rundir
+from ddp_project.run.trainer import Trainer
 
 
 @dataclass
@@ -363,7 +359,7 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
     """A module that registers model=mlp before config.py does: `python -m <package>.check`
     ends at its import of config.py, with one line and exit 2, no traceback."""
     (tmp_path / "mine.py").write_text(
-        "from dataclasses import dataclass\n\nfrom ddp_project.registry import option\n\n\n"
+        "from dataclasses import dataclass\n\nfrom ddp_project.config.registry import option\n\n\n"
         "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
         "@dataclass\nclass MyMlpConfig:\n    width: int = 0\n"
     )

@@ -13,7 +13,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from ddp_project import worker_exits
+from ddp_project.launcher import worker_exits
 
 pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
 

@@ -24,7 +24,7 @@ from conftest import (
     worker_pids,
 )
 
-from ddp_project import checkpoint
+from ddp_project.run import checkpoint
 
 
 def final_model(run_dir, step):
@@ -136,8 +136,8 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_pr
 def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept, monkeypatch):
     """On 4 processes data.batch_size=64 makes kept's 256: the resume check lets it through;
     on 2 it would halve the global batch: a change of results, refused unless accepted."""
-    from ddp_project import rundir
-    from ddp_project.check import compose_and_check
+    from ddp_project.config.compose import compose_and_check
+    from ddp_project.run import rundir
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert rundir.resume_problem(kept, compose_and_check(["data.batch_size=64"])) is None
@@ -491,7 +491,8 @@ def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_ho
 def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monkeypatch, capsys):
     """The guard lets the change through (accept_changes), the checkpoint does not fit: exit 2.
     train's main in this process, as `python -m` runs it: one process, no torchrun."""
-    from ddp_project import rundir, train
+    from ddp_project import train
+    from ddp_project.run import rundir
 
     shutil.copytree(kept, tmp_path / "run")
     before = (tmp_path / "run" / "config.yaml").read_text()

@@ -22,9 +22,10 @@ from conftest import (
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-from ddp_project import check, checkpoint, rundir
 from ddp_project import launch as launcher
-from ddp_project.config import register_configs
+from ddp_project.config import compose as check
+from ddp_project.config.schema import register_configs
+from ddp_project.run import checkpoint, rundir
 
 pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
 
@@ -288,7 +289,7 @@ def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
 def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
     """In this process: the launcher's own check, before any worker's."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
          f"rundir.acquire(Path({str(tmp_path / 'run')!r})); print(flush=True); "
          "import time; time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
@@ -402,7 +403,7 @@ def test_a_sweep_job_holds_its_dirs_lock_while_it_runs(tmp_path, capsys):
     guard.on_multirun_start(config)
     guard.on_job_start(config)
     other = subprocess.run(
-        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
          f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r}), wait_s=0)"],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -415,7 +416,7 @@ def test_a_sweep_job_holds_its_dirs_lock_while_it_runs(tmp_path, capsys):
 
 def test_a_sweep_job_whose_dir_is_in_use_is_refused(tmp_path, capsys):
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from {PACKAGE} import rundir; from pathlib import Path; "
+        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
          f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r})); print(flush=True); "
          "import time; time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
@@ -494,7 +495,8 @@ def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
 
 def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marked_fields():
     """Marked in config.py (field metadata), read by rundir and evaluate: no list beside it."""
-    from ddp_project import evaluate, rundir
+    from ddp_project import evaluate
+    from ddp_project.run import rundir
 
     assert sorted(rundir.RESUME_MAY_CHANGE) == [
         "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",

@@ -5,7 +5,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from ddp_project.schedule import learning_rate
+from ddp_project.run.schedule import learning_rate
 
 LR, MIN_LR = 0.003, 0.0003  # trainer.lr and trainer.min_lr, given so that the values below hold
 

@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from ddp_project import stopping
-from ddp_project.world import World
+from ddp_project.core.world import World
+from ddp_project.run import stopping
 
 ONE = World()
 

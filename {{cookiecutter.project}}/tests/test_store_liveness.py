@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import pytest
 
 from ddp_project import launch
-from ddp_project.store_liveness import (
+from ddp_project.launcher.store_liveness import (
     KEEPALIVE_EVERY_S,
     StoreLiveness,
     bound,
@@ -93,7 +93,7 @@ def test_a_c10d_launch_of_several_nodes_bounds_its_connections_at_half_the_read_
 # (a 30 s timeout) says if the read was left waiting.
 CLIENT = """
 import socket, sys, time
-from ddp_project.store_liveness import StoreLiveness
+from ddp_project.launcher.store_liveness import StoreLiveness
 host, port = sys.argv[1], int(sys.argv[2])
 sock = socket.create_connection((host, port), timeout=30)
 other = socket.create_connection((host, port + 1))  # another service of that host: not bounded

@@ -21,7 +21,7 @@ from conftest import (
 )
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_project import data
+from ddp_project.run import batches as batches_module
 
 # Installed as sitecustomize in the workers: records each rank's NCCL_* variables at the moment
 # init_process_group is called, then lets the call proceed.
@@ -260,8 +260,8 @@ def test_loader_workers_survive_sigterm_and_sigint_from_the_moment_they_fork():
     it, loader workers included: one that died of either, even just after its fork, would end
     the run without a checkpoint."""
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2,
-                        persistent_workers=True, worker_init_fn=data.ignore_sigterm)  # fmt: skip
-    batches = data.epoch_batches(loader)
+                        persistent_workers=True, worker_init_fn=batches_module.ignore_sigterm)  # fmt: skip
+    batches = batches_module.epoch_batches(loader)
     stop_signals = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
     try:
         next(batches), next(batches)  # batch i comes from worker i % 2: both have run their init

@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddp_project import metrics, scoring, stopping
-from ddp_project.checkpoint import Checkpointer, Diverged
-from ddp_project.trainer import Trainer, Window
-from ddp_project.world import World
+from ddp_project import data, model  # noqa: F401  (the options' builders, as train imports them)
+from ddp_project.core.world import World
+from ddp_project.record import metrics
+from ddp_project.run import scoring, stopping
+from ddp_project.run.checkpoint import Checkpointer, Diverged
+from ddp_project.run.trainer import Trainer, Window
 
 ONE = World()
 

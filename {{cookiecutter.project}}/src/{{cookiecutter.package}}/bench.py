@@ -47,16 +47,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import allreduce, check, compilation, ddp, perf, process_group, train
-from .config import TrainConfig, uses_cuda
+from . import PACKAGE, train
+from .config import compose as check
+from .config.schema import TrainConfig, uses_cuda
+from .core.cli import Parser, at_least, seconds
+from .core.exits import Exit
+from .core.world import World
 from .data import build_dataset
-from .doctor import Parser, at_least, root_cause, seconds
-from .exits import Exit
+from .launcher.worker_exits import root_cause
 from .model import build_model
-from .trainer import Trainer, autocast_for
-from .world import World
+from .nccl import allreduce, process_group
+from .record import perf
+from .run import compilation, ddp
+from .run.trainer import Trainer, autocast_for
 
-PACKAGE = __package__
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
 # Between the measured checkpoints: the config's own cadence, up to about CADENCE_S of steps
 # (at least CADENCE_STEPS): room for a background write to end before the next save, as at the

@@ -31,19 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
-from .exits import Exit, Parser
+from . import PACKAGE
+from .core.cli import Parser, at_least, seconds
+from .core.exits import Exit
+from .launcher.worker_exits import root_cause
 
 STOPPED = "stopped by SIGINT; nothing was measured to the end"
 
@@ -51,7 +53,7 @@ STOPPED = "stopped by SIGINT; nothing was measured to the end"
 def stopped_while_starting(signum: int, frame: object) -> NoReturn:
     """Ctrl-C while torch and Hydra import (seconds): nothing has started, one line all the same
     (a KeyboardInterrupt inside an import leaves a traceback, or a half-imported module)."""
-    print(f"{__package__}.doctor: {STOPPED}", file=sys.stderr, flush=True)
+    print(f"{PACKAGE}.doctor: {STOPPED}", file=sys.stderr, flush=True)
     os._exit(Exit.INTERRUPTED)
 
 
@@ -62,27 +64,15 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from . import nccl, probe
-from .config import TrainConfig, register_configs
+from .config.schema import TrainConfig, register_configs
+from .nccl import decision as nccl
+from .nccl import probe
 
-PACKAGE = __package__
 PROFILES = ["auto", "nccl_default", "pcie_safe", "socket"]  # one node: infiniband acts as auto
 NODES_PROFILES = [*PROFILES, "infiniband"]  # between nodes it differs: IB on, whatever auto finds
 GPU_SIZES_MIB = [1, 64, 1024]
 CPU_SIZES_MIB = [1, 64]
 ALLREDUCE_LINE = re.compile(r"^ALLREDUCE (\{.*\})$", re.MULTILINE)
-# In torchrun's output: its summary, the rank it blames, worker lines, and its own log lines.
-SUMMARY = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
-BLAMED = re.compile(
-    r"^Root Cause \(first observed failure\):\n(?:.*\n)*?\s*rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)",
-    re.MULTILINE,
-)
-RANK_LINE = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
-EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
-NOT_SAID_BY_A_WORKER = re.compile(
-    r"^(?:[DIWEF]\d{4} \d\d:\d\d:\d\d|\*+$|Setting OMP_NUM_THREADS|Traceback \(most recent call last\)|\s|$)"
-)
-
 
 @dataclass
 class ProfileResult:
@@ -131,49 +121,6 @@ def profile_configs(names: list[str]) -> dict[str, TrainConfig]:
         }
 
 
-def exception_in(lines: list[str]) -> str:
-    """The first exception line, with NCCL's `Last error:` detail where it follows."""
-    for i, line in enumerate(lines):
-        if EXCEPTION.match(line.strip()) and SUMMARY not in line:
-            following = [later.strip() for later in lines[i + 1 : i + 6]]
-            if "Last error:" in following and following.index("Last error:") + 1 < len(following):
-                detail = following[following.index("Last error:") + 1]
-                return f"{line.strip()[:160]} ... Last error: {detail}"
-            return line.strip()
-    return ""
-
-
-def root_cause(output: str) -> str:
-    """Why a torchrun launch failed, in one line: the exception of the rank torchrun blames
-    first (its own summary's tail names none), else the last thing that rank printed, else the
-    signal that killed it."""
-    blamed = BLAMED.search(output)
-    rank, code = (int(blamed[1]), int(blamed[2])) if blamed else (None, None)
-    cut = output.find(SUMMARY)
-    labelled, unlabelled = [], []  # [rankN]: lines (after init_process_group), and the rest
-    for line in (output[:cut] if cut >= 0 else output).splitlines():
-        found = RANK_LINE.match(line)
-        if found and (rank is None or int(found[1]) == rank):
-            labelled.append(found[2])
-        elif not found:
-            unlabelled.append(line)
-    who = f"rank {rank}: " if rank is not None else ""
-    cause = exception_in(labelled) or exception_in(unlabelled)
-    if cause:
-        return (who + cause)[:400]
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"rank {rank} was killed by {name}"
-    said = [line.strip() for line in unlabelled if not NOT_SAID_BY_A_WORKER.match(line)]
-    if said:
-        return (f"rank {rank} exited with {code}: " if rank is not None else "") + said[-1][:300]
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "no output"
-
-
 def run_profile(
     name: str,
     env: dict[str, str],
@@ -187,7 +134,7 @@ def run_profile(
     """One torchrun of allreduce under `env` on top of `base` (default: this environment);
     `measures`: it holds rank 0, which prints the result."""
     command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
-               "-m", f"{PACKAGE}.allreduce", "--sizes-mib", *map(str, sizes)]  # fmt: skip
+               "-m", f"{PACKAGE}.nccl.allreduce", "--sizes-mib", *map(str, sizes)]  # fmt: skip
     outcome = probe.run_with_hard_timeout(
         command, timeout_s, env={**(os.environ if base is None else base), **env}, capture=True
     )
@@ -560,31 +507,6 @@ def render_nodes(report: dict) -> str:
         lines.append(f"Verdict: no profile works across {count} nodes: do not start training (exit 1). "
                      "Read the errors above; NCCL_DEBUG=INFO shows more.")  # fmt: skip
     return "\n".join(lines)
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number, at least {low}; got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0; got {text!r}")
-    return value
 
 
 def host(text: str) -> str:

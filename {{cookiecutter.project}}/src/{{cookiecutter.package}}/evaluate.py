@@ -27,16 +27,18 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from . import checkpoint, process_group, scoring
-from .config import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
-from .config_error import ConfigError, require
+from . import PACKAGE
+from .config.error import ConfigError, require
+from .config.registry import stored_groups
+from .config.schema import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
+from .config.validate import from_saved
+from .core.exits import Exit
+from .core.world import World
 from .data import build_dataset
-from .exits import Exit
 from .model import build_model
-from .registry import stored_groups
-from .trainer import autocast_for
-from .validate import from_saved
-from .world import World
+from .nccl import process_group
+from .run import checkpoint, scoring
+from .run.trainer import autocast_for
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.
 ADJUSTABLE = marked_keys(EVALUATE_SETS)  # the rest comes from the checkpoint's config
@@ -266,7 +268,7 @@ def save(result: dict, out: Path) -> None:
 
 def usage() -> str:
     return (
-        f"usage: python -m {__package__}.evaluate [ckpt=<file|run dir|latest>] [key=value ...]\n\n"
+        f"usage: python -m {PACKAGE}.evaluate [ckpt=<file|run dir|latest>] [key=value ...]\n\n"
         f"{__doc__.strip()}\n\nkey=value may set: {', '.join(ADJUSTABLE)}"
     )
 

@@ -32,8 +32,8 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import PROJECT
-from .exits import Exit, for_signal
+from . import PACKAGE, PROJECT
+from .core.exits import Exit, for_signal
 
 
 def stopped_while_starting(signum: int, frame: object) -> NoReturn:
@@ -91,13 +91,18 @@ from torch.distributed.elastic.rendezvous.utils import (
 from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import get_args_parser, run
 
-from . import check, rundir
-from .oom import MemoryWatch, children
-from .overrides import exit_with_error
-from .run_dir_plan import explicit_run_dir, new_part, of_value, planned_run_dir, remove_empty
-from .startup import TORCHRUN_AT_VAR
-from .store_liveness import StoreLiveness
-from .torchrun_args import (
+from .config import compose as check
+from .config.overrides import exit_with_error
+from .core.world import LAUNCHED_AT_VAR, RUN_NAME_VAR, launched_at, run_name_for
+from .launcher.run_dir_plan import (
+    explicit_run_dir,
+    new_part,
+    of_value,
+    planned_run_dir,
+    remove_empty,
+)
+from .launcher.store_liveness import StoreLiveness
+from .launcher.torchrun_args import (
     RENDEZVOUS,
     ArgumentError,
     UsageError,
@@ -107,10 +112,11 @@ from .torchrun_args import (
     processes,
     split,
 )
-from .worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidBelow, summary
-from .world import LAUNCHED_AT_VAR, RUN_NAME_VAR, launched_at, run_name_for
+from .launcher.worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidBelow, summary
+from .record.startup import TORCHRUN_AT_VAR
+from .run import rundir
+from .run.oom import MemoryWatch, children
 
-PACKAGE = __package__
 COMMAND = PROJECT
 
 

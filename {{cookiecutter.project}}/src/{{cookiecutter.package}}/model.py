@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DataConfig, GptConfig, MlpConfig, PointsConfig, TokensConfig
-from .registry import builder_of, builds
+from .config.registry import builder_of, builds
+from .config.schema import DataConfig, GptConfig, MlpConfig, PointsConfig, TokensConfig
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -97,6 +97,6 @@ class Gpt(nn.Module):
 
 
 def build_model(cfg: Any, data: DataConfig) -> nn.Module:
-    """The model option's builder, given its schema and the data's. check.ConfigCheck has made
+    """The model option's builder, given its schema and the data's. config.compose.ConfigCheck has made
     sure the model and data options fit together (validate.check_combinations)."""
     return builder_of(cfg)(cfg, data)

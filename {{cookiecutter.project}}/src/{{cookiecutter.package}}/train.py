@@ -8,7 +8,7 @@
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train experiment=gpt2_small
     python -m {{ cookiecutter.package }}.train --cfg job                          # print the composed config
 
-Hydra composes configs/train.yaml once per process and check.ConfigCheck validates it, once, before
+Hydra composes configs/train.yaml once per process and config.compose.ConfigCheck validates it, once, before
 the run dir exists; main runs with that checked config. Rank and world size come from torchrun's environment, read once (World).
 """
 
@@ -18,8 +18,8 @@ import signal
 import sys
 from typing import NoReturn
 
-from .exits import for_signal
-from .world import World
+from .core.exits import for_signal
+from .core.world import World
 
 # stopping.STOP_SIGNALS, which imports torch: these are taken before it is.
 STARTING_STOPS = (signal.SIGTERM, signal.SIGINT)
@@ -48,56 +48,27 @@ import time
 from pathlib import Path
 
 import hydra
-import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import (
-    PROJECT,
-    checkpoint,
-    compilation,
-    failfast,
-    metrics,
-    nccl,
-    probe,
-    process_group,
-    stopping,
-)
-from .check import task_config
-from .config import TrainConfig, register_configs, uses_cuda
-from .exits import Exit
-from .overrides import exit_with_error, hydra_argv
-from .startup import Timeline
-from .trainer import Trainer
+from . import PACKAGE, PROJECT, data, model  # noqa: F401  (the user's options: their @builds register the builders)
+from .config.overrides import hydra_argv
+from .config.schema import TrainConfig, register_configs, uses_cuda
+from .config.validate import check_composed
+from .core.exits import Exit
+from .nccl import decision as nccl
+from .nccl import failfast, process_group
+from .record import metrics
+from .record.startup import Timeline
+from .run import checkpoint, compilation, stopping
+from .run.nccl_env import apply_nccl_env
+from .run.trainer import Trainer
 
 IMPORTED_AT = time.time()  # the start-up line's "imports" ends here
 
 log = logging.getLogger(__name__)
 ORPHAN_EXIT_S = 20  # once torchrun is gone, the longest a worker goes on
-
-
-def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path) -> nccl.Decision:
-    """NCCL reads its variables once, when the first communicator is made: write them first."""
-    facts = (
-        probe.shared_node_facts(run_dir, world.local_rank) if cfg.nccl.auto else probe.basic_facts()
-    )
-    (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
-    recorder = nccl.flight_recorder_env(str(run_dir / "nccl" / "trace_rank_"), torch.__version__)
-    explicit = nccl.explicit_settings(cfg.dist.async_error_handling)
-    decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
-    cuda = uses_cuda(cfg.dist.backend)
-    shm_problem = nccl.shm_error(facts, decision.env) if cuda else None
-    if shm_problem:
-        exit_with_error(shm_problem)
-    os.environ.update(decision.env)
-    if world.main and cuda:  # over gloo none of this is used: say nothing of it
-        if cfg.nccl.auto:
-            log.info("node probe: %s", facts.summary())
-        log.info("NCCL environment (nccl=%s):\n%s", cfg.nccl.profile, decision.report())
-        for warning in decision.warnings:
-            log.warning(warning)
-    return decision
 
 
 def report_collective_failure(
@@ -116,7 +87,7 @@ def report_collective_failure(
             decision=decision,
             profile=cfg.nccl.profile,
             launch=f"{PROJECT} train --nproc-per-node {world.local_size}",
-            package=__package__,
+            package=PACKAGE,
             trace_prefix=decision.env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""),
         )
         print(block, file=sys.stderr, flush=True)
@@ -271,14 +242,16 @@ register_configs()  # the schema and resolvers must exist before Hydra composes
 
 @hydra.main(
     version_base="1.3",
-    config_path=f"pkg://{__package__}.configs",
+    config_path=f"pkg://{PACKAGE}.configs",
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:
-    """Hydra has composed the config; check.ConfigCheck has checked it."""
+    """Hydra has composed the config; config.compose.ConfigCheck has checked it."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    main_worker(task_config(cfg), run_dir, list(hydra_cfg.overrides.task))
+    # Hydra hands the task its config without the hydra node: the NCCL profile chosen is said here.
+    config = check_composed(cfg, nccl_choice=hydra_cfg.runtime.choices.get("nccl"))
+    main_worker(config, run_dir, list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":

@@ -6,21 +6,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-from .. import k8s
-from ..exits import Exit
+from .. import PACKAGE, k8s
+from ..core.exits import Exit
 from . import persist, render, sync
 from .pods import nccl_env
-
-PACKAGE = __package__.rpartition(".")[0]
-
-
-def project_root(start: Path) -> Path:
-    """The project k8s/ belongs to: the nearest folder up from `start` with a pyproject.toml,
-    else `start` itself (an installed project, run from anywhere)."""
-    start = start.resolve()
-    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)
+from .render import deploy_and_profile
+from .sync import project_root
 
 
 def outside_project(out: Path) -> str | None:
@@ -42,19 +34,8 @@ def default_out() -> Path:
     )
 
 
-def deploy_and_profile(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A checked config's deploy group and NCCL profile as plain values, as render.manifests() takes them."""
-    from omegaconf import OmegaConf
-
-    deploy, profile = (
-        OmegaConf.to_container(OmegaConf.structured(node), enum_to_str=True)
-        for node in (config.deploy, config.nccl)
-    )
-    return deploy, profile
-
-
 def main() -> int:
-    from .. import check
+    from ..config import compose as check
 
     parser = argparse.ArgumentParser(
         description=k8s.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from .. import PROJECT
-from ..exits import Exit
+from .. import PACKAGE, PROJECT
+from ..core.exits import Exit
 from .flavors import FLAVORS
 from .meta import COMPONENT_LABEL, NAME_LABEL, PART_OF_LABEL, TRAINING, identity
 
@@ -447,10 +447,10 @@ def main(folder: Path = Path("k8s")) -> int:
         try:
             files = load(folder) if folder.is_dir() else []
         except Foreign as foreign:
-            return fail(f"{folder}/ holds what python -m {__package__} does not write: {foreign}; "
+            return fail(f"{folder}/ holds what python -m {PACKAGE}.k8s does not write: {foreign}; "
                         "move those files out of it (kubectl apply -f them yourself); nothing was changed")  # fmt: skip
         if not files:
-            return fail(f"{folder}/ holds no manifests: python -m {__package__} writes them")
+            return fail(f"{folder}/ holds no manifests: python -m {PACKAGE}.k8s writes them")
         objects = [manifest for _, manifest in files]
         (workload,) = [m for m in objects if m["kind"] in WORKLOADS]
         namespace = workload["metadata"]["namespace"]
@@ -515,7 +515,7 @@ def main(folder: Path = Path("k8s")) -> int:
 
 def cli() -> int:
     argparse.ArgumentParser(
-        prog=f"python -m {__package__}.apply",
+        prog=f"python -m {PACKAGE}.k8s.apply",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     ).parse_args()  # it takes none: --help, or argparse refuses what it is given

@@ -10,15 +10,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..config_error import did_you_mean
+from ..config.error import did_you_mean
 from .flavors import FLAVORS, Flavor
-from .meta import (
-    TOPOLOGY_ANNOTATIONS,
-    label_text,
-    labels,
-    quantity,
-    topology_annotation,
-)
+from .meta import TOPOLOGY_ANNOTATIONS, label_text, labels, quantity, topology_annotation
 from .pods import LOST_NODE_TAINTS
 
 NAME_MAX = 47  # pods are <name>-<index>-<5 characters> or <name>-node-0-<index>-<5>: within 63

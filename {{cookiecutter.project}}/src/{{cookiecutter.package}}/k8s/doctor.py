@@ -30,13 +30,15 @@ from typing import Any
 
 import yaml
 
-from ..exits import Exit, Parser
+from .. import PACKAGE
+from ..core.cli import WEEK_S, Parser, seconds_up_to
+from ..core.exits import Exit
 from .apply import Refused, TimedOut, Unreachable, kubectl, server_check
 from .meta import DOCTOR, NAME_LABEL, identity, manifest
 from .pods import Launch, nccl_env, pod_metadata, pod_spec, torchrun_launch, trainer_container
-from .render import Dumper
+from .render import Dumper, deploy_and_profile
+from .sync import project_root
 
-PACKAGE = __package__.rpartition(".")[0]
 PROFILE_TIMEOUT_S = 90  # the doctor's own default: past it a profile "hangs"
 PROFILES_ACROSS_NODES = (
     5  # doctor.NODES_PROFILES: auto, nccl_default, pcie_safe, socket, infiniband
@@ -126,17 +128,6 @@ def as_yaml(found: list[dict]) -> str:
     return "---\n".join(yaml.dump(o, Dumper=Dumper, sort_keys=False, width=100) for o in found)
 
 
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (0 < value <= 7 * 86400):  # nan fails too
-        raise argparse.ArgumentTypeError(
-            f"must be seconds, above 0 and at most a week; got {text!r}"
-        )
-    return value
-
 
 def pods_of(namespace: str, name: str) -> list[dict]:
     listed = kubectl("get", "pods", "-n", namespace, "-l", f"job-name={name}", "-o", "json")
@@ -221,15 +212,14 @@ def run(found: list[dict], wait_s: float) -> int:
 
 
 def main() -> int:
-    from .. import check
-    from .__main__ import deploy_and_profile, project_root
+    from ..config import compose as check
 
     parser = Parser(
-        prog=f"python -m {__package__}.doctor", description=__doc__,
+        prog=f"python -m {PACKAGE}.k8s.doctor", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--print", action="store_true", help="print the manifests; apply nothing")
-    parser.add_argument("--wait-s", type=seconds,
+    parser.add_argument("--wait-s", type=seconds_up_to(WEEK_S, "a week"),
                         help="how long to wait for the doctor (default: its Job's deadline and a minute)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, for this run only")
     args = parser.parse_args()

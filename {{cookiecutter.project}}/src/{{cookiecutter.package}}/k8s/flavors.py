@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..exits import FAIL_AT_ONCE
+from .. import PACKAGE
+from ..core.exits import FAIL_AT_ONCE
 from .meta import labels, manifest, optional
 from .pods import (
     COMMAND,
@@ -38,7 +39,7 @@ TRAINJOB_LAUNCH = c10d_launch("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PO
 # Who wrote a runtime patch. Trainer v2.3's webhook (pkg/runtime/framework/plugins/jobset/jobset.go)
 # requires a domain-prefixed path (apimachinery's IsDomainPrefixedPath, as Kueue's
 # kueue.x-k8s.io/manager) and fails closed on CREATE: the bare package name was refused.
-PATCH_MANAGER = f"ddp-template.local/{__package__.rpartition('.')[0]}"
+PATCH_MANAGER = f"ddp-template.local/{PACKAGE}"
 RANDOM_SUFFIX = "-abcde"  # the 5 characters a controller's generateName adds to a pod's name
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
+from .. import PACKAGE
 from .sync import replace_all
 
-PACKAGE = __package__.rpartition(".")[0]
 # deploy.<field>, nccl=<profile>, nccl.<field>; or an entry of a map, such as deploy.pod_labels.team
 # or nccl.env.NCCL_ALGO (the + that adds it optional), which writes the map whole.
 OVERRIDE = re.compile(

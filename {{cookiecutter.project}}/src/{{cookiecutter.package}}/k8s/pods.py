@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from .. import PROJECT, nccl
+from .. import PROJECT
+from ..nccl import decision as nccl
 from .meta import (
     HOSTNAME,
     NAME_LABEL,

@@ -85,3 +85,10 @@ def locked(folder: Path | None) -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)
+
+
+def project_root(start: Path) -> Path:
+    """The project k8s/ belongs to: the nearest folder up from `start` with a pyproject.toml,
+    else `start` itself (an installed project, run from anywhere)."""
+    start = start.resolve()
+    return next((d for d in (start, *start.parents) if (d / "pyproject.toml").is_file()), start)

@@ -1,0 +1,446 @@
+"""Typed schema of every config group, and the checks that run before anything starts.
+
+Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
+fails at compose time, naming the key. Checks that types cannot express live in __post_init__, and
+those of a whole config in validate.py; config.compose.ConfigCheck runs them all before Hydra creates the
+run dir.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from .. import PACKAGE
+from ..core.world import rank_zero_only, run_name
+from ..nccl import decision as nccl
+from .deploy import DeployConfig
+from .error import ConfigError, require
+from .loggers import LoggersConfig
+from .registry import option, stored_options
+from .token_files import TOKEN_BYTES, largest_token
+
+
+class Backend(Enum):
+    auto = "auto"  # nccl when CUDA is available, else gloo
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class NcclDebug(Enum):
+    VERSION = "VERSION"
+    WARN = "WARN"
+    INFO = "INFO"
+    TRACE = "TRACE"
+
+
+# Values live in configs/ (one YAML file per option, each key commented); these classes give
+# their types and checks. MISSING: a value the YAML must give.
+
+
+# Marks on schema fields (their metadata) that rundir and evaluate read through marked_keys().
+# FREE_ON_RESUME: how a run goes, not what it computes, so a resume may change it.
+# EVALUATE_SETS: evaluate may set it; the checkpoint's config decides the rest.
+FREE_ON_RESUME = {"free_on_resume": True}
+EVALUATE_SETS = {"evaluate_sets": True}
+
+
+@dataclass
+class DataConfig:
+    """What every data option has: how many samples, and how they reach the GPU."""
+
+    num_samples: int = MISSING
+    batch_size: int = field(default=MISSING, metadata=EVALUATE_SETS)
+    num_workers: int = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    pin_memory: bool = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    on_device: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+
+    def __post_init__(self) -> None:
+        require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
+        require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
+        require(
+            0 <= self.num_workers <= 64, "data.num_workers", self.num_workers, "must be 0 to 64"
+        )
+        require(
+            not (self.on_device and self.num_workers > 0),
+            "data.num_workers",
+            self.num_workers,
+            "must be 0 with data.on_device=true (the batches are cut on the GPU)",
+        )
+
+    def training_samples(self) -> tuple[int, str]:
+        """Samples training draws from, and the key that says how many."""
+        return self.num_samples, f"data.num_samples={self.num_samples}"
+
+    def held_out_samples(self) -> tuple[int, str]:
+        """Samples evaluation reads (data.build_dataset(held_out=True)), and the key that says
+        how many."""
+        return self.num_samples // HELD_OUT, f"data.num_samples={self.num_samples}"
+
+
+@option("data", "synthetic", "labelled points", stored_as="points_schema")
+@dataclass
+class PointsConfig(DataConfig):
+    """configs/data/synthetic.yaml: labelled points from a fixed random teacher."""
+
+    num_features: int = MISSING
+    num_classes: int = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1"
+        )
+        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
+
+
+@option("data", "tokens", "token sequences", stored_as="tokens_schema")
+@dataclass
+class TokensConfig(DataConfig):
+    """configs/data/tokens.yaml: token sequences for next-token prediction."""
+
+    seq_len: int = MISSING
+    vocab_size: int = MISSING
+    path: Optional[str] = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
+        require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
+        if self.path is not None:
+            problem = token_file_problem(self)
+            if problem:
+                raise ConfigError(f"data.path={self.path}: {problem}")
+
+    def training_samples(self) -> tuple[int, str]:
+        if self.path is None:
+            return super().training_samples()
+        sequences = file_sequences(self)
+        return sequences - max(1, sequences // HELD_OUT), f"data.path={self.path}"
+
+    def held_out_samples(self) -> tuple[int, str]:
+        if self.path is None:
+            return super().held_out_samples()
+        return max(1, file_sequences(self) // HELD_OUT), f"data.path={self.path}"
+
+
+@option("model", "mlp", "an MLP", stored_as="mlp_schema", reads=PointsConfig)
+@dataclass
+class MlpConfig:
+    """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
+
+    hidden_dim: int = MISSING
+    depth: int = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
+        require(self.depth >= 1, "model.depth", self.depth, "must be at least 1")
+
+
+@option("model", "gpt", "a GPT", stored_as="gpt_schema", reads=TokensConfig)
+@dataclass
+class GptConfig:
+    """configs/model/gpt.yaml: a decoder-only transformer over data=tokens."""
+
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    d_model: int = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be at least 1")
+        require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
+        require(
+            self.d_model >= 1 and self.d_model % self.n_head == 0,
+            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
+        )  # fmt: skip
+
+
+HELD_OUT = 10  # one part in this many is held out for evaluation
+
+
+def token_file_problem(data: TokensConfig) -> str | None:
+    """Why data.path is no token file for this config, or None. Checked when the config is, so
+    that a bad file is one line before any process starts, not an error at the first batch."""
+    make = f"make one with python -m {PACKAGE}.data TEXT OUT"
+    if not data.path:
+        return "an empty path; give a token file, or null for synthetic tokens"
+    path = Path(data.path)
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            return f"a directory, not a token file; {make}"
+        if not path.is_file():  # a FIFO or a device: opening one may wait forever
+            return f"not a regular file; {make}"
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        return f"no such file here ({Path.cwd()}); {make}"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if size % TOKEN_BYTES:
+        return f"holds {size} bytes, an odd count: not a file of 2-byte (uint16) tokens; {make}"
+    sequences = file_sequences(data)
+    if sequences < 2:
+        return (
+            f"holds {sequences} sequence(s) of data.seq_len={data.seq_len} tokens "
+            f"({size // TOKEN_BYTES} tokens); need at least 2"
+        )
+    top, at = largest_token(path)
+    if top >= data.vocab_size:
+        return (
+            f"holds token id {top} (token {at} of the file), not below data.vocab_size="
+            f"{data.vocab_size}; raise data.vocab_size to {top + 1}, or check that the file "
+            f"holds uint16 tokens ({make})"
+        )
+    return None
+
+
+def file_sequences(data: TokensConfig) -> int:
+    """How many sequences of seq_len + 1 tokens (consecutive ones share a token) the file holds."""
+    tokens = Path(data.path).stat().st_size // TOKEN_BYTES
+    return max(0, tokens - 1) // data.seq_len
+
+
+class Precision(Enum):
+    bf16 = "bf16"  # bf16 autocast on GPU
+    fp16 = "fp16"  # fp16 autocast with a grad scaler on GPU
+    fp32 = "fp32"
+
+
+class Schedule(Enum):  # the learning rate after warm-up: schedule.learning_rate
+    constant = "constant"  # trainer.lr throughout
+    linear = "linear"  # straight down to trainer.min_lr at trainer.max_steps
+    cosine = "cosine"  # half a cosine down to trainer.min_lr at trainer.max_steps
+
+
+class CheckpointFormat(Enum):
+    file = "file"  # one file by rank 0 (torch.save): the fastest on one node (BENCHMARKS.md)
+    dcp = "dcp"  # a folder every rank writes a share of (torch.distributed.checkpoint)
+
+
+class OnNonFinite(Enum):
+    stop = "stop"  # end the run with a non-zero exit; the checkpoints stay as they were
+    skip = "skip"  # drop the optimizer step of such a step (checks every step: one GPU sync each)
+
+
+def finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    lr: float = MISSING
+    warmup_steps: int = MISSING
+    schedule: Schedule = MISSING
+    min_lr: Optional[float] = MISSING  # None: lr / 10 (schedule.floor)
+    weight_decay: float = MISSING
+    max_grad_norm: Optional[float] = MISSING
+    on_nonfinite: OnNonFinite = field(default=MISSING, metadata=FREE_ON_RESUME)
+    log_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    seed: int = MISSING
+    precision: Precision = MISSING
+    checkpoint_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    keep_checkpoints: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    async_checkpoint: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    checkpoint_format: CheckpointFormat = field(default=MISSING, metadata=FREE_ON_RESUME)
+    val_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    val_batches: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
+    keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    grad_accumulation: int = MISSING
+    fused_optimizer: bool = MISSING
+    compile: bool = MISSING
+    accept_changes: List[str] = field(default=MISSING, metadata=FREE_ON_RESUME)
+
+    def __post_init__(self) -> None:
+        require(self.max_steps >= 1, "trainer.max_steps", self.max_steps, "must be at least 1")
+        require(
+            finite(self.lr) and self.lr > 0,
+            "trainer.lr",
+            self.lr,
+            "must be a finite number above 0",
+        )
+        require(
+            self.min_lr is None or (finite(self.min_lr) and 0 <= self.min_lr <= self.lr),
+            "trainer.min_lr", self.min_lr,
+            f"must be null (trainer.lr/10) or a finite number from 0 to trainer.lr={self.lr}",
+        )  # fmt: skip
+        require(
+            finite(self.weight_decay) and self.weight_decay >= 0,
+            "trainer.weight_decay", self.weight_decay, "must be a finite number, 0 or more",
+        )  # fmt: skip
+        require(
+            self.max_grad_norm is None or (finite(self.max_grad_norm) and self.max_grad_norm > 0),
+            "trainer.max_grad_norm", self.max_grad_norm, "must be null (no clipping) or a finite number above 0",
+        )  # fmt: skip
+        require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
+        require(
+            0 <= self.seed < 2**63,
+            "trainer.seed",
+            self.seed,
+            "must be 0 to 2**63-1 (torch's range)",
+        )
+        require(
+            self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "must be 0 or more"
+        )
+        require(
+            self.checkpoint_every >= 0,
+            "trainer.checkpoint_every",
+            self.checkpoint_every,
+            "must be 0 (no checkpoints) or more",
+        )
+        require(
+            self.keep_checkpoints >= 2,
+            "trainer.keep_checkpoints",
+            self.keep_checkpoints,
+            "must be at least 2",
+        )
+        require(
+            self.val_every >= 0,
+            "trainer.val_every",
+            self.val_every,
+            "must be 0 (no validation) or more",
+        )
+        require(
+            self.val_batches is None or self.val_batches >= 1,
+            "trainer.val_batches",
+            self.val_batches,
+            "must be null (every held-out batch) or at least 1",
+        )
+        require(
+            self.grad_accumulation >= 1,
+            "trainer.grad_accumulation",
+            self.grad_accumulation,
+            "must be at least 1",
+        )
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+class CommHook(Enum):
+    default = "default"  # DDP's own: sum, then divide by the world size
+    bf16 = "bf16"  # compress to bf16 for the all-reduce: half the bytes on the wire
+    fp16 = "fp16"  # compress to fp16
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
+    timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    gate_timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    checkpoint_timeout_s: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    async_error_handling: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
+    bucket_cap_mb: int = field(default=MISSING, metadata=FREE_ON_RESUME)
+    gradient_as_bucket_view: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    static_graph: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+    comm_hook: CommHook = MISSING
+    time_comm: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "gate_timeout_s", "checkpoint_timeout_s"):
+            seconds = getattr(self, key)
+            require(
+                1 <= seconds <= MAX_TIMEOUT_S, f"dist.{key}", seconds,
+                f"must be 1 to {MAX_TIMEOUT_S} seconds (a week)",
+            )  # fmt: skip
+        require(
+            self.async_error_handling in (None, 0, 1, 2, 3),
+            "dist.async_error_handling",
+            self.async_error_handling,
+            "must be null, 0, 1, 2 or 3 (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
+        )
+        require(
+            self.bucket_cap_mb >= 1, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be at least 1"
+        )
+
+
+@dataclass
+class NcclConfig:
+    """One field per NCCL variable (see nccl.FIELD_VARS); None leaves the variable alone, so a
+    profile in configs/nccl/ lists only what it sets, and its own name (profile)."""
+
+    auto: bool = False  # fill in transport variables from the node's facts
+    p2p_disable: Optional[bool] = None
+    p2p_level: Optional[str] = None
+    ib_disable: Optional[bool] = None
+    ib_hca: Optional[str] = None
+    ib_gid_index: Optional[int] = None
+    shm_disable: Optional[bool] = None
+    socket_ifname: Optional[str] = None
+    debug: Optional[NcclDebug] = None
+    debug_subsys: Optional[str] = None
+    # Any other NCCL_*, TORCH_NCCL_* or GLOO_* variable: nccl.env.NCCL_ALGO=Ring, nccl.env.GLOO_SOCKET_IFNAME=eth0 (null: leave it unset)
+    env: Dict[str, Optional[str]] = field(default_factory=dict)
+    profile: Optional[str] = None  # the profile's name: each configs/nccl/<name>.yaml sets its own
+
+    def __post_init__(self) -> None:
+        errors = nccl.config_errors(self)
+        if errors:
+            raise ConfigError(errors[0])
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING  # the model option's schema (registry), which its YAML brings
+    data: Any = MISSING  # the data option's, likewise
+    # each option of the logger group sets one of its keys
+    logger: LoggersConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+    trainer: TrainerConfig = MISSING
+    dist: DistConfig = MISSING
+    nccl: NcclConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+    deploy: DeployConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+
+
+SCHEMAS = {"trainer": TrainerConfig, "dist": DistConfig}  # the groups with one schema each
+
+
+def marked_keys(mark: dict[str, bool]) -> tuple[str, ...]:
+    """The keys whose schema field carries `mark`, in schema order; a marked group as "group."
+    (every key under it). The data group's keys are DataConfig's, which every data option has."""
+    (name,) = mark
+    keys: list[str] = []
+    for group in fields(TrainConfig):
+        if group.metadata.get(name):
+            keys.append(f"{group.name}.")
+            continue
+        schema = {"data": DataConfig}.get(group.name, SCHEMAS.get(group.name))
+        if schema:
+            keys += [f"{group.name}.{f.name}" for f in fields(schema) if f.metadata.get(name)]
+    return tuple(keys)
+
+
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by dotted key, as overrides name them: trainer.lr."""
+    leaves: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            leaves |= dotted(value, f"{prefix}{key}.")
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
+
+
+def uses_cuda(backend: Backend) -> bool:
+    import torch  # here, so that rendering k8s/ needs no torch
+
+    return backend is Backend.nccl or (backend is Backend.auto and torch.cuda.is_available())
+
+
+def register_configs() -> None:
+    """Make the schemas and resolvers known to Hydra; call before Hydra composes."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    # Groups whose options differ in shape: each option's YAML names its schema in `defaults`,
+    # from the root (`- /mlp_schema`). Stored in the group, a schema would be one of its options:
+    # listed by --help, tab completion and every "allowed:", and model=mlp_schema accepted.
+    for stored in stored_options():
+        store.store(name=stored.stored_as, node=stored.schema)
+    OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)

@@ -1,0 +1,1 @@
+"""The launcher's machinery: torchrun's options, the run dir before start, how workers ended."""

@@ -1,0 +1,1 @@
+"""NCCL: the decision (pure functions), node facts, the gate all-reduce, bus bandwidth."""

@@ -1,0 +1,387 @@
+"""The run dir: one run at a time, a resume that continues the same experiment, and a directory
+that can be written. Checked before anything is written there, in one line each.
+
+RunDirGuard runs as a Hydra callback (configs/train.yaml) in every worker, before Hydra creates
+the dir; in a sweep (-m), for each job's dir, as the job starts. The launcher
+(`{{ cookiecutter.project }} train`) runs the same checks before torchrun starts.
+Global rank 0 holds an exclusive lock on `<run dir>/.lock` for the life of its process: the
+kernel drops it when the process ends, however it ends, so a dead run's lock is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from ..config.error import ConfigError
+from ..config.global_batch import KEYS as GLOBAL_BATCH_KEYS
+from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
+from ..config.overrides import exit_with_error
+from ..config.registry import chosen, fitting
+from ..config.schema import FREE_ON_RESUME, TrainConfig, dotted, marked_keys
+from ..config.validate import check_composed, unrecorded
+from ..core.world import World
+from . import checkpoint
+
+LOCK = ".lock"
+# A holder on another host (a pod on its way out while its replacement starts) gets this long.
+REMOTE_HOLDER_WAIT_S = 120
+# Keys (and "group." prefixes) a resume may change: marked FREE_ON_RESUME in the schema.
+RESUME_MAY_CHANGE = marked_keys(FREE_ON_RESUME)
+_held: dict[Path, int] = {}  # run dir -> the open lock file, for the life of this process
+
+
+class RunDirError(ConfigError):
+    """The run dir cannot be used for this run; the message is the one line to print."""
+
+
+RUN_KEY = "hydra.run.dir"
+SWEEP_KEY = "hydra.sweep.dir"  # a sweep's jobs run in <hydra.sweep.dir>/<hydra.sweep.subdir>
+
+
+class Place(NamedTuple):
+    """How a message names the dir: the key that chose it, and the dir as the user knows it."""
+
+    key: str
+    shown: str
+
+    @classmethod
+    def run(cls, run_dir: Path) -> Place:
+        return cls(RUN_KEY, f"{RUN_KEY}={run_dir}")
+
+
+def empty(value: object, key: str) -> str | None:
+    """An empty dir value would run in the launch directory itself (Hydra reads it as .)."""
+    if str(value).strip():
+        return None
+    return f"{key}='': empty; name a directory, or leave {key} out for a new one under outputs/"
+
+
+def present(path: Path) -> bool:
+    """Path.exists(), False where the name cannot exist (too long: unusable() says so)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
+def unusable(run_dir: Path, place: Place | None = None) -> str | None:
+    """Why this process cannot create and write the run dir, or None."""
+    key, shown = place or Place.run(run_dir)
+    if present(run_dir) and not run_dir.is_dir():
+        return f"{shown}: is a file, not a directory; choose another {key}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{shown}: cannot be created ({err.strerror})"
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return f"{shown}: not writable by this user"
+    return None
+
+
+def holder(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / LOCK).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def busy_message(run_dir: Path, who: dict[str, Any], place: Place | None = None) -> str:
+    key, shown = place or Place.run(run_dir)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who.get("since", 0)))
+    return (
+        f"{shown}: in use by pid {who.get('pid', '?')} on {who.get('host', '?')} "
+        f"since {since}; wait for that run to end, or choose another {key}"
+    )
+
+
+def alive_here(who: dict[str, Any]) -> bool:
+    return who.get("host") == socket.gethostname() and Path(f"/proc/{who.get('pid')}").exists()
+
+
+def acquire(
+    run_dir: Path, wait_s: float = REMOTE_HOLDER_WAIT_S, place: Place | None = None
+) -> None:
+    """Hold the run dir's lock until this process ends (or release()). A holder on this host is
+    refused at once; one on another host is waited for up to wait_s."""
+    if run_dir in _held:
+        return
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err, place)) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            who = holder(run_dir)
+            if alive_here(who) or time.monotonic() > deadline:
+                os.close(fd)
+                raise RunDirError(busy_message(run_dir, who, place)) from None
+            time.sleep(1)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+          "command": " ".join(sys.argv)[:300]}  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    _held[run_dir] = fd
+
+
+def release(run_dir: Path) -> None:
+    """Let go of the lock that acquire() took: a sweep's job that ended, while its sweep goes on."""
+    fd = _held.pop(run_dir, None)
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor drops the flock
+
+
+def lock_unusable(run_dir: Path, err: OSError, place: Place | None = None) -> str:
+    key, shown = place or Place.run(run_dir)
+    return (
+        f"{shown}: its lock file {LOCK} cannot be opened ({err.strerror}); remove it if no run "
+        f"uses that dir, or choose another {key}"
+    )
+
+
+def refuse_if_busy(run_dir: Path) -> None:
+    """For the launcher: a run dir that another process holds is refused before torchrun starts."""
+    path = run_dir / LOCK
+    if not path.exists():
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # as acquire() will open it
+    except OSError as err:
+        raise RunDirError(lock_unusable(run_dir, err)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunDirError(busy_message(run_dir, holder(run_dir))) from None
+    finally:
+        os.close(fd)
+
+
+def keeps_global_batch(state: dict[str, Any], config: TrainConfig) -> bool:
+    """This launch's batch figures make the checkpoint's global batch: they may differ from its
+    config's (another world size) and change nothing the run computes."""
+    try:
+        saved = GlobalBatch.saved(state)
+    except (KeyError, TypeError):
+        return False
+    now = World.from_env().size * config.data.batch_size * config.trainer.grad_accumulation
+    return now == saved.samples
+
+
+def global_batch_problem(
+    state: dict[str, Any], saved_config: dict[str, Any], config: TrainConfig, path: Path
+) -> str | None:
+    """A world size that cannot keep the checkpoint's global batch (global_batch.on_resume), as
+    a line, or None."""
+    try:
+        saved = GlobalBatch.saved(state)
+    except (KeyError, TypeError):
+        return None  # not a checkpoint of this project's: the load says what is wrong
+    now = GlobalBatch(
+        World.from_env().size, config.data.batch_size, config.trainer.grad_accumulation
+    )
+    try:
+        on_resume(saved, saved_config, now, accepted(config.trainer.accept_changes))
+    except GlobalBatchChanged as err:
+        return str(err)
+    return None
+
+
+def changes_on_resume(
+    saved: dict[str, Any], config: TrainConfig, keeps_batch: bool = False
+) -> list[tuple[str, Any, Any]]:
+    """Keys that change what the run computes and differ from the checkpoint's config, less
+    those that trainer.accept_changes names; with `keeps_batch`, less the batch figures."""
+    now = dotted(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
+    before = dotted(saved)
+    accepted = tuple(
+        config.trainer.accept_changes
+    )  # keys, or groups (validate.check_accept_changes)
+    return [
+        (key, before.get(key, "(absent)"), now.get(key, "(absent)"))
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key) != now.get(key)
+        and not key.startswith(RESUME_MAY_CHANGE)
+        and not (keeps_batch and key in GLOBAL_BATCH_KEYS)
+        and not any(key == name or key.startswith(f"{name}.") for name in accepted)
+    ]
+
+
+def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = None) -> str | None:
+    """A resume whose config would change results, or that would train no step, as one line,
+    or None."""
+    key, shown = place or Place.run(run_dir)
+    found = checkpoint.newest_readable(run_dir, mmap=True)
+    if found is None:
+        return None
+    path, state = found
+    step = checkpoint.step_of(path)
+    if config.trainer.max_steps < step:  # the loop would end at once, the run looking resumed
+        return (
+            f"trainer.max_steps={config.trainer.max_steps} is below step {step} of the "
+            f"checkpoint in {run_dir} ({path.name}): raise trainer.max_steps, or choose another "
+            f"{key}"
+        )
+    switched = option_problem(state, config, path, run_dir, place)
+    if switched:
+        return switched
+    saved_config = state.get("config", {})
+    batch = global_batch_problem(state, saved_config, config, path)
+    if batch:
+        return f"{shown} resumes from {path.name}: {batch}, or choose another {key}"
+    changes = changes_on_resume(saved_config, config, keeps_global_batch(state, config))
+    if not changes:
+        return None
+    listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changes)
+    keys = ",".join(name for name, _, _ in changes)
+    return (
+        f"{shown} resumes from {path.name}, written with another config: {listed}. "
+        f"These change results; to continue anyway add trainer.accept_changes=[{keys}], or choose "
+        f"another {key}"
+    )
+
+
+def option_problem(
+    state: dict[str, Any], config: TrainConfig, path: Path, run_dir: Path, place: Place | None
+) -> str | None:
+    """A resume under another model or data option than the checkpoint was trained with, as one
+    line, or None; trainer.accept_changes naming the group lets it switch. A checkpoint written
+    before checkpoints recorded their options is the option whose schema has its keys; one whose
+    keys fit several is refused too, as nothing tells which it was."""
+    key, shown = place or Place.run(run_dir)
+    recorded = state.get("options")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    saved = state.get("config")
+    saved = saved if isinstance(saved, dict) else {}
+    accepted = set(config.trainer.accept_changes)
+    switched, unknown = [], []
+    for group, now in chosen(config).items():
+        if group in accepted:
+            continue
+        if group in recorded:
+            before = [recorded[group]]
+        else:
+            values = saved.get(group)
+            fits = fitting(group, values) if isinstance(values, dict) else []
+            if len(fits) > 1:
+                unknown.append((group, now, values, fits))
+            before = [o.name for o in fits]
+        if len(before) == 1 and before[0] != now:
+            switched.append((group, now, before[0]))
+    if switched:
+        now = ", ".join(f"{group}={name}" for group, name, _ in switched)
+        then = ", ".join(f"{group}={name}" for group, _, name in switched)
+        groups = ",".join(group for group, _, _ in switched)
+        return (
+            f"{now}: the checkpoint in {run_dir} ({path.name}) was trained with {then}; resume "
+            f"with {then}, add trainer.accept_changes=[{groups}] to switch, or choose another {key}"
+        )
+    if unknown:
+        group, now, values, fits = unknown[0]
+        listed = ", ".join(sorted(map(str, values)))
+        return (
+            f"{shown} resumes from {path.name}: {unrecorded(group, listed, fits)}; to resume it as "
+            f"{group}={now} add trainer.accept_changes=[{group}], or choose another {key}"
+        )
+    return None
+
+
+def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:
+    """Everything the launcher can tell before torchrun starts; `busy`: the lock too."""
+    try:
+        message = unusable(run_dir)
+        if message is None and busy:
+            refuse_if_busy(run_dir)
+        return message or resume_problem(run_dir, config)
+    except RunDirError as err:
+        return str(err)
+
+
+class RunDirGuard(Callback):
+    """Hydra calls this after composing the config: for a run before it creates the run dir; for
+    each job of a sweep (-m) as that job starts, in the dir Hydra made for it."""
+
+    def __init__(self) -> None:
+        self.before: dict[Path, bytes] = {}  # a sweep's Hydra files as they were before it
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        message = empty(config.hydra.run.dir, RUN_KEY)
+        if message:
+            exit_with_error(f"config error: {message}")
+        run_dir = Path(config.hydra.run.dir)
+        guard(run_dir, config, Place.run(run_dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        # Hydra's launcher creates the sweep dir next: a file there would be a traceback.
+        message = empty(config.hydra.sweep.dir, SWEEP_KEY) or unusable(
+            sweep_dir, Place(SWEEP_KEY, f"{SWEEP_KEY}={sweep_dir}")
+        )
+        if message:
+            exit_with_error(f"config error: {message}")
+        # Hydra writes each job's .hydra/ (and the sweep's multirun.yaml) before on_job_start: a
+        # job refused there puts back what an earlier sweep left.
+        for pattern in ("multirun.yaml", "*/.hydra/*", "*/*/.hydra/*"):
+            for path in sweep_dir.glob(pattern):
+                with contextlib.suppress(OSError):
+                    self.before[path.resolve()] = path.read_bytes()
+
+    def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:  # a run's own dir was guarded on_run_start
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        sweep = f"{SWEEP_KEY}={config.hydra.sweep.dir}"
+        place = Place(SWEEP_KEY, f"{sweep} job {config.hydra.job.num} ({job_dir})")
+        guard(job_dir, config, place, refused=lambda: self.put_back(config))
+
+    def on_job_end(self, config: DictConfig, **kwargs: object) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:  # the sweep's next job has a dir of its own
+            release(Path(config.hydra.runtime.output_dir))
+
+    def put_back(self, config: DictConfig) -> None:
+        """The Hydra files of a refused job's dir as they were; the sweep's multirun.yaml too."""
+        written = [Path(config.hydra.sweep.dir) / "multirun.yaml"]
+        if config.hydra.output_subdir is not None:
+            hydra_dir = Path(config.hydra.runtime.output_dir) / config.hydra.output_subdir
+            written += [hydra_dir / name for name in HYDRA_FILES]
+        for path in written:
+            old = self.before.get(path.resolve())
+            with contextlib.suppress(OSError):
+                if old is not None:
+                    path.write_bytes(old)
+                elif path.name != "multirun.yaml":  # this sweep's own: its other jobs need it
+                    path.unlink(missing_ok=True)
+
+
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra's run_job saves
+
+
+def guard(
+    run_dir: Path, config: DictConfig, place: Place, refused: Callable[[], None] = lambda: None
+) -> None:
+    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check."""
+    message = unusable(run_dir, place)  # every rank: Hydra creates the dir in each
+    if message is None and World.from_env().main:
+        try:
+            acquire(run_dir, place=place)
+            message = resume_problem(run_dir, check_composed(config), place)
+        except RunDirError as err:
+            message = str(err)
+    if message:
+        refused()
+        exit_with_error(f"config error: {message}")
