@@ -13,6 +13,9 @@ import unicodedata
 
 import cookiecutter
 
+# The project's k8s/checks.py holds the same name and image rules; this hook cannot load them (it
+# runs from a rendered copy, with no path to the template under cruft), so tests/test_hooks.py
+# gives both the same hostile names and images and checks that they agree.
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # The project names the Job's Service and TrainJob too: those must start with a letter (RFC 1035).
 RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")

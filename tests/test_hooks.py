@@ -251,6 +251,53 @@ def test_image_and_python_version_at_their_limits_render_as_typed(tmp_path):
     assert re.search(r"linter\.unresolved_target_version = 3\.13\n", settings.stdout), settings.stdout + settings.stderr
 
 
+# The hook's name and image rules (pre_gen_project) restate the project's (k8s/checks.py, as the
+# post-generation hook runs them): the hook runs from a rendered copy with no path to the template
+# under cookiecutter and cruft, so it cannot load the project's module. Both read these strings.
+HOSTILE_NAMES = [
+    "a", "a0", "a-b", "a--b", "yes", "null", "a" * 47, "a" * 48, "a" * 63, "a" * 64, "", "-a", "a-",
+    "0a", "9", "A", "aB", "a_b", "a.b", "a b", " a", "a\n", "\na", "a\t", "é", "ａ", "a\x00", "a/b",
+    "a:b", "${a}", "K", "\u212a",
+]  # fmt: skip
+# Each names a tag or a digest and no :latest: the project's further rules for those (one line
+# from the post-generation hook, test_render) are not the hook's.
+DIGEST = "@sha256:" + "a" * 64
+HOSTILE_IMAGES = [
+    "x:1", "ghcr.io/acme/x:0.1.0", "localhost:5000/x:1", "Registry.IO/x:1", f"x{DIGEST}",
+    f"x:1{DIGEST}", f"registry.local:5000/team/ddp{DIGEST}", "a__b:1", "a_b:1", "a.b:1", "a---b:1",
+    "a___b:1", "a-:1", "-a:1", "_a:1", "A/x:1", "x/A:1", "x:-t", "x:.t", "x:_t", "x:" + "t" * 128,
+    "x:" + "t" * 129, "x@sha256:" + "a" * 63, "x@sha256:" + "A" * 64, "x@md5:abc", "x:1 ", " x:1",
+    "x:1\n", "x:$(id)", 'x:"1"', "x:1#c", "x//y:1", "x/:1", "/x:1", "host:port/x:1", "é:1",
+    "a" * 253 + ":1", "a" * 254 + ":1", "x:1\u0000",
+]  # fmt: skip
+AGREEMENT = (
+    [("project", "name", v) for v in HOSTILE_NAMES]
+    + [("namespace", "namespace", v) for v in HOSTILE_NAMES]
+    + [("image", "image", v) for v in HOSTILE_IMAGES]
+)
+PROJECT_ACCEPTS = """
+import json, sys
+from ddp_project.k8s.render import deploy_errors  # what the post-generation hook runs
+deploy, cases = json.load(sys.stdin)
+print(json.dumps([not any(e.startswith(f"deploy.{key}=") for e in deploy_errors({**deploy, key: value}))
+                  for key, value in cases]))
+"""
+
+
+def test_the_hook_and_the_project_accept_the_same_names_and_images(default_project):
+    deploy = yaml.safe_load((default_project / "configs" / "deploy" / "default.yaml").read_text())
+    cases = [(field, value) for _, field, value in AGREEMENT]
+    done = subprocess.run([sys.executable, "-c", PROJECT_ACCEPTS], input=json.dumps([deploy, cases]),
+                          cwd=default_project / "src", capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    project = json.loads(done.stdout)
+    hook = [getattr(pre_gen_project, f"check_{key}")(key, value) is None for key, _, value in AGREEMENT]
+    assert sum(hook) > 10 and not all(hook)  # the table holds both kinds
+    differ = [f"{key}={value!r} (hook: {'ok' if h else 'refused'})"
+              for (key, _, value), h, p in zip(AGREEMENT, hook, project, strict=True) if h != p]  # fmt: skip
+    assert differ == [], "hook and project disagree on " + ", ".join(differ)
+
+
 @pytest.mark.timeout(600)
 def test_a_name_the_hook_accepts_gives_a_project_whose_check_passes(tmp_path):
     """At the length limit, and names YAML would misread: the project's own config check, with
