@@ -20,7 +20,7 @@ TESTS_PACKAGE = "ddp_project"
 
 def project_files():
     """What the template wrote. A render over an existing project (--overwrite-if-exists) finds
-    more there: git's files and what .gitignore keeps out (a venv, runs), which are not ours."""
+    more there: git's files, what .gitignore keeps out (a venv, runs), links to elsewhere."""
     gitignore = Path(".gitignore")
     lines = gitignore.read_text(encoding="utf-8").splitlines() if gitignore.exists() else []
     ignored = [".git", *(line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#"))]
@@ -30,7 +30,7 @@ def project_files():
 
     for folder, dirs, files in os.walk("."):
         dirs[:] = [d for d in dirs if mine(Path(folder, d))]
-        yield from (path for path in (Path(folder, f) for f in files) if mine(path))
+        yield from (path for path in (Path(folder, f) for f in files) if mine(path) and not path.is_symlink())
 
 
 if ANSWERS["package"] != TESTS_PACKAGE:

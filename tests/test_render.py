@@ -244,10 +244,14 @@ def test_another_package_name_is_spelled_in_every_file_that_names_the_package(tm
     for name, text in theirs.items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text)
+    elsewhere = tmp_path / "notes.md"
+    elsewhere.write_text("ddp_project\n")
+    (project / "notes.md").symlink_to(elsewhere)
     cookiecutter(str(template), no_input=True, extra_context=answers, output_dir=str(tmp_path),
                  overwrite_if_exists=True)  # fmt: skip
-    assert spelling_default_package(project) == sorted(theirs)
+    assert spelling_default_package(project) == sorted([*theirs, "notes.md"])
     assert all((project / name).read_text() == text for name, text in theirs.items())
+    assert elsewhere.read_text() == "ddp_project\n"
 
 
 def test_python_compiles_and_ruff_is_clean(rendered):
