@@ -1,8 +1,10 @@
 """Render k8s/ from the generated configs/ with the project's own renderer, then print the next
 steps. Local and idempotent: cruft re-runs this hook on every update."""
 
+import fnmatch
 import importlib
 import json
+import os
 import re
 import shlex
 import sys
@@ -12,12 +14,34 @@ ANSWERS = json.loads(r'''{{ cookiecutter | tojson }}''')  # fmt: skip
 
 # The tests (and ruff's first-party setting) spell the package as the default answers name it, so
 # that the template's tests are Python that ruff and an editor read; here they take this project's
-# name. The package itself imports its own modules relatively.
+# name, in whichever file of the project spells it. The package imports its own modules relatively.
 TESTS_PACKAGE = "ddp_project"
+
+
+def project_files():
+    """What the template wrote. A render over an existing project (--overwrite-if-exists) finds
+    more there: git's files, what .gitignore keeps out (a venv, runs), links to elsewhere."""
+    gitignore = Path(".gitignore")
+    lines = gitignore.read_text(encoding="utf-8").splitlines() if gitignore.exists() else []
+    ignored = [".git", *(line.strip().strip("/") for line in lines if line.strip() and not line.startswith("#"))]
+
+    def mine(path: Path) -> bool:
+        return not any(fnmatch.fnmatch(path.name, p) or fnmatch.fnmatch(path.as_posix(), p) for p in ignored)
+
+    for folder, dirs, files in os.walk("."):
+        dirs[:] = [d for d in dirs if mine(Path(folder, d))]
+        yield from (path for path in (Path(folder, f) for f in files) if mine(path) and not path.is_symlink())
+
+
 if ANSWERS["package"] != TESTS_PACKAGE:
-    for path in [*Path("tests").glob("*.py"), Path("ruff.toml")]:
-        text = path.read_text(encoding="utf-8")
-        path.write_text(re.sub(rf"\b{TESTS_PACKAGE}\b", ANSWERS["package"], text), encoding="utf-8")
+    for path in project_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary: it spells no module name
+        renamed = re.sub(rf"\b{TESTS_PACKAGE}\b", ANSWERS["package"], text)
+        if renamed != text:
+            path.write_text(renamed, encoding="utf-8")
 
 # The renderer needs only the standard library and PyYAML (a dependency of cookiecutter).
 sys.path.insert(0, "src")

@@ -13,6 +13,9 @@ import unicodedata
 
 import cookiecutter
 
+# The project's k8s/checks.py holds the same name and image rules; this hook cannot load them (it
+# runs from a rendered copy, with no path to the template under cruft), so tests/test_hooks.py
+# gives both the same hostile names and images and checks that they agree.
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 # The project names the Job's Service and TrainJob too: those must start with a letter (RFC 1035).
 RFC1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -29,9 +32,11 @@ JINJA = re.compile(r"[{][#%{]|[#%}][}]")
 # Characters whose meaning changes between YAML, TOML and Python, or that start a new line: control
 # characters, surrogates, Unicode line and paragraph separators, a byte-order mark.
 UNPRINTABLE_CATEGORIES = {"Cc", "Cs", "Zl", "Zp"}
-# Top-level modules that the generated project imports, directly or through its dependencies
-# (tests/test_hooks.py checks this list against the installed dependencies), the project's own
-# top-level names, and the standard library: a package of such a name would shadow them.
+# Top-level modules that the generated project imports, directly or through its dependencies, the
+# project's own top-level names, and the standard library: a package of such a name would shadow
+# them. Kept by hand, as this hook cannot import the dependencies; tests/test_hooks.py reads what
+# each installed one's RECORD lists, transitively with extras, and names any module missing here.
+# Some are from other builds and versions than the tests install: CUDA torch's nvidia and triton.
 THIRD_PARTY = {
     "torch", "torchgen", "functorch", "triton", "numpy", "sympy", "mpmath", "networkx", "jinja2",
     "markupsafe", "fsspec", "filelock", "typing_extensions", "setuptools", "pkg_resources",

@@ -17,6 +17,8 @@ import pytest
 import yaml
 from conftest import BIN, DEFAULTS, TEMPLATE, cookiecutter_cli, env_with_path, install, render
 from omegaconf import OmegaConf
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 sys.path.insert(0, str(TEMPLATE / "hooks"))
 import pre_gen_project  # noqa: E402  (plain functions: the hook file imports unrendered)
@@ -251,6 +253,53 @@ def test_image_and_python_version_at_their_limits_render_as_typed(tmp_path):
     assert re.search(r"linter\.unresolved_target_version = 3\.13\n", settings.stdout), settings.stdout + settings.stderr
 
 
+# The hook's name and image rules (pre_gen_project) restate the project's (k8s/checks.py, as the
+# post-generation hook runs them): the hook runs from a rendered copy with no path to the template
+# under cookiecutter and cruft, so it cannot load the project's module. Both read these strings.
+HOSTILE_NAMES = [
+    "a", "a0", "a-b", "a--b", "yes", "null", "a" * 47, "a" * 48, "a" * 63, "a" * 64, "", "-a", "a-",
+    "0a", "9", "A", "aB", "a_b", "a.b", "a b", " a", "a\n", "\na", "a\t", "é", "ａ", "a\x00", "a/b",
+    "a:b", "${a}", "K", "\u212a",
+]  # fmt: skip
+# Each names a tag or a digest and no :latest: the project's further rules for those (one line
+# from the post-generation hook, test_render) are not the hook's.
+DIGEST = "@sha256:" + "a" * 64
+HOSTILE_IMAGES = [
+    "x:1", "ghcr.io/acme/x:0.1.0", "localhost:5000/x:1", "Registry.IO/x:1", f"x{DIGEST}",
+    f"x:1{DIGEST}", f"registry.local:5000/team/ddp{DIGEST}", "a__b:1", "a_b:1", "a.b:1", "a---b:1",
+    "a___b:1", "a-:1", "-a:1", "_a:1", "A/x:1", "x/A:1", "x:-t", "x:.t", "x:_t", "x:" + "t" * 128,
+    "x:" + "t" * 129, "x@sha256:" + "a" * 63, "x@sha256:" + "A" * 64, "x@md5:abc", "x:1 ", " x:1",
+    "x:1\n", "x:$(id)", 'x:"1"', "x:1#c", "x//y:1", "x/:1", "/x:1", "host:port/x:1", "é:1",
+    "a" * 253 + ":1", "a" * 254 + ":1", "x:1\u0000",
+]  # fmt: skip
+AGREEMENT = (
+    [("project", "name", v) for v in HOSTILE_NAMES]
+    + [("namespace", "namespace", v) for v in HOSTILE_NAMES]
+    + [("image", "image", v) for v in HOSTILE_IMAGES]
+)
+PROJECT_ACCEPTS = """
+import json, sys
+from ddp_project.k8s.render import deploy_errors  # what the post-generation hook runs
+deploy, cases = json.load(sys.stdin)
+print(json.dumps([not any(e.startswith(f"deploy.{key}=") for e in deploy_errors({**deploy, key: value}))
+                  for key, value in cases]))
+"""
+
+
+def test_the_hook_and_the_project_accept_the_same_names_and_images(default_project):
+    deploy = yaml.safe_load((default_project / "configs" / "deploy" / "default.yaml").read_text())
+    cases = [(field, value) for _, field, value in AGREEMENT]
+    done = subprocess.run([sys.executable, "-c", PROJECT_ACCEPTS], input=json.dumps([deploy, cases]),
+                          cwd=default_project / "src", capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    project = json.loads(done.stdout)
+    hook = [getattr(pre_gen_project, f"check_{key}")(key, value) is None for key, _, value in AGREEMENT]
+    assert sum(hook) > 10 and not all(hook)  # the table holds both kinds
+    differ = [f"{key}={value!r} (hook: {'ok' if h else 'refused'})"
+              for (key, _, value), h, p in zip(AGREEMENT, hook, project, strict=True) if h != p]  # fmt: skip
+    assert differ == [], "hook and project disagree on " + ", ".join(differ)
+
+
 @pytest.mark.timeout(600)
 def test_a_name_the_hook_accepts_gives_a_project_whose_check_passes(tmp_path):
     """At the length limit, and names YAML would misread: the project's own config check, with
@@ -263,41 +312,67 @@ def test_a_name_the_hook_accepts_gives_a_project_whose_check_passes(tmp_path):
         assert (done.returncode, done.stdout) == (0, "config ok\n"), done.stderr
 
 
-def dependency_closure(names: list[str]) -> set[str]:
-    seen: set[str] = set()
-    todo = list(names)
+def installed_closure(requirements: list[str]) -> tuple[dict, list[str]]:
+    """The distributions that `requirements` bring into this environment, through each one's
+    requirements, the extras asked for included; and each requirement that holds here (its
+    marker true) but is not installed, which would go unchecked."""
+
+    def holding(texts: list[str], extras: set[str]) -> list[Requirement]:
+        wanted = [Requirement(text) for text in texts]
+        return [r for r in wanted if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in {"", *extras})]
+
+    found: dict[str, importlib.metadata.Distribution] = {}
+    absent, asked, todo = [], set(), holding(requirements, set())
     while todo:
-        name = re.split(r"[\s\[<>=!~;]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
-        if name in seen:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if (name, *sorted(requirement.extras)) in asked:
             continue
+        asked.add((name, *sorted(requirement.extras)))
         try:
-            distribution = importlib.metadata.distribution(name)
+            found[name] = found.get(name) or importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
-            continue  # a platform-only dependency (e.g. CUDA wheels) not installed here
-        seen.add(name)
-        todo += [r for r in distribution.requires or [] if "extra ==" not in r]
-    return seen
+            absent.append(name)
+            continue
+        todo += holding(found[name].requires or [], requirement.extras)
+    return found, sorted(set(absent))
+
+
+def test_the_closure_follows_extras_and_markers_and_names_what_is_not_installed():
+    found, absent = installed_closure(["pytest", "tomli; python_version < '3.11'"])
+    assert absent == [] and {"pluggy", "iniconfig"} <= set(found) and "attrs" not in found
+    found, absent = installed_closure(["pytest[dev]", "no-such-distribution>=1"])
+    assert "attrs" in found  # installed here, and asked for only by pytest's dev extra
+    assert {"hypothesis", "no-such-distribution"} <= set(absent) and "tomli" not in absent
+
+
+def top_level_modules(distribution: importlib.metadata.Distribution) -> set[str]:
+    """What a distribution installs at the top of site-packages: from its RECORD (what was
+    installed), else its top_level.txt (setuptools' guess: xxhash's names a _xxhash it lacks)."""
+    files = distribution.files or []
+    modules = set() if files else set((distribution.read_text("top_level.txt") or "").split())
+    for file in files:
+        top = file.parts[0]
+        if top.endswith((".dist-info", ".data", ".pth")) or top in ("..", "bin"):
+            continue  # metadata, a path file, or a script installed outside site-packages
+        modules.add(top.removesuffix(".py").split(".")[0])  # a module, a package, or an extension
+    return {m for m in modules if m.isidentifier() and not m.startswith("__")}
 
 
 def test_every_module_the_project_imports_is_a_name_the_hook_refuses(default_project):
-    """The generated project's dependencies and extras, and theirs, installed here: each
+    """The generated project's dependencies and extras, and theirs, as installed here: each
     top-level module they provide must be refused as a package name, or the project would
-    shadow it."""
+    shadow it. THIRD_PARTY is kept by hand (the hook runs on cookiecutter's Python, without the
+    project's dependencies): this is what keeps it whole."""
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
-    requirements = project["dependencies"] + sum(project["optional-dependencies"].values(), [])
-    declared = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requirements]
-    provided = set()
-    for name in dependency_closure(declared):
-        files = importlib.metadata.distribution(name).files or []
-        for file in files:
-            top = file.parts[0]
-            if top.endswith((".dist-info", ".data", ".pth")) or top in ("..", "bin"):
-                continue
-            module = top.removesuffix(".py").split(".")[0]
-            if module.isidentifier():
-                provided.add(module)
-    missing = sorted(m for m in provided if m not in pre_gen_project.SHADOWED and not m.startswith("__"))
-    assert missing == [], missing
+    found, absent = installed_closure(project["dependencies"] + sum(project["optional-dependencies"].values(), []))
+    assert absent == [], "not installed here, so their modules go unchecked: " + ", ".join(absent)
+    no_list = sorted(name for name, d in found.items() if not top_level_modules(d))
+    assert no_list == [], "no RECORD or top_level.txt to read modules from: " + ", ".join(no_list)
+    assert {"torch", "omegaconf", "wandb", "mlflow-skinny", "pytest-xdist", "requests"} <= set(found)
+    provided = set().union(*(top_level_modules(d) for d in found.values()))
+    missing = sorted(provided - pre_gen_project.SHADOWED)
+    assert missing == [], "pre_gen_project.THIRD_PARTY lacks " + ", ".join(missing)
 
 
 def test_old_cookiecutter_is_refused_with_the_upgrade_command(tmp_path):

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -30,6 +31,7 @@ from conftest import (
     pod_from,
     pod_template_of,
 )
+from cookiecutter.main import cookiecutter
 
 DATA = Path(__file__).parent / "data"
 JOBSET_SCHEMA = json.loads((DATA / "jobset.x-k8s.io_v1alpha2.schema.json").read_text())
@@ -197,10 +199,59 @@ def test_exact_file_set(rendered):
 
 
 def test_no_template_text_left(rendered):
+    assert rendered.package != "ddp_project"  # the tests' spelling of the package: none left below
     for name in files_of(rendered.path):
         text = (rendered.path / name).read_text()
         assert "cookiecutter." not in text, name
         assert not re.search(r"(?<!\$)\{\{|\{%", text), name  # ${{ }}: GitHub Actions' own
+        assert not re.search(r"\bddp_project\b", text), name
+
+
+def spelling_default_package(project: Path) -> list[str]:
+    return sorted(
+        str(path.relative_to(project))
+        for path in project.rglob("*")
+        if path.is_file() and re.search(r"\bddp_project\b", path.read_text(errors="replace"))
+    )
+
+
+def test_another_package_name_is_spelled_in_every_file_that_names_the_package(tmp_path):
+    """The template's tests spell the default package (ddp_project) and the post-generation hook
+    renames it: in a test folder or a doc the template may grow too, and in nothing the project
+    held before a render over it (git's files, what .gitignore keeps out)."""
+    template = tmp_path / "template"
+    template.mkdir()
+    for name in ("cookiecutter.json", "local_extensions.py", "hooks", "{{cookiecutter.project}}"):
+        source, copy = TEMPLATE / name, template / name
+        if source.is_dir():
+            shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__", ".ruff_cache"))
+        else:
+            shutil.copy(source, copy)
+    grown = {"tests/unit/test_more.py": "from ddp_project.k8s import render\n",
+             "docs/usage.md": "Run `python -m ddp_project.k8s` (ddp_project: the package).\n"}  # fmt: skip
+    for name, text in grown.items():
+        (template / "{{cookiecutter.project}}" / name).parent.mkdir(parents=True, exist_ok=True)
+        (template / "{{cookiecutter.project}}" / name).write_text(text)
+    answers = {"project": "my-proj", "package": "my_pkg"}
+    project = Path(cookiecutter(str(template), no_input=True, extra_context=answers, output_dir=str(tmp_path)))
+    assert spelling_default_package(project) == []
+    assert (project / "docs/usage.md").read_text() == "Run `python -m my_pkg.k8s` (my_pkg: the package).\n"
+    assert "from my_pkg.k8s import render" in (project / "tests/unit/test_more.py").read_text()
+    assert 'known-first-party = ["my_pkg"]' in (project / "ruff.toml").read_text()
+    theirs = {".git/HEAD": "ref: refs/heads/ddp_project\n", ".venv/ddp_project.pth": "/old/ddp_project\n",
+              "outputs/run/config.yaml": "package: ddp_project\n",
+              "configs/local/mine.yaml": "p: ddp_project\n"}  # fmt: skip
+    for name, text in theirs.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    elsewhere = tmp_path / "notes.md"
+    elsewhere.write_text("ddp_project\n")
+    (project / "notes.md").symlink_to(elsewhere)
+    cookiecutter(str(template), no_input=True, extra_context=answers, output_dir=str(tmp_path),
+                 overwrite_if_exists=True)  # fmt: skip
+    assert spelling_default_package(project) == sorted([*theirs, "notes.md"])
+    assert all((project / name).read_text() == text for name, text in theirs.items())
+    assert elsewhere.read_text() == "ddp_project\n"
 
 
 def test_python_compiles_and_ruff_is_clean(rendered):
