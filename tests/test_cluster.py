@@ -360,7 +360,7 @@ def test_the_job_runs_its_pods_survives_reapplying_and_deletes_cleanly(
     claims = cluster.get("persistentvolumeclaims", "-l", f"app.kubernetes.io/name={name}")["items"]
     assert sorted(c["metadata"]["name"] for c in claims) == [f"{name}-runs-rwo", f"{name}-runs-rwx"]
 
-    kinds = "jobs,services,persistentvolumeclaims,serviceaccounts"  # the README's command
+    kinds = "jobs,services,persistentvolumeclaims,serviceaccounts"  # docs/kubernetes.md's command
     cluster.kubectl(
         "delete", "-n", NAMESPACE, kinds, "-l", f"app.kubernetes.io/name={name}", "--cascade=foreground", "--wait"
     )

@@ -1,6 +1,7 @@
-"""Every command in both READMEs runs as written (issue 20, day one).
+"""Every command in both READMEs, and in the project's docs/ pages, runs as written (issue 20, day
+one). The project's README is its first hour; docs/*.md are its reference, read the same way.
 
-The commands are read out of the READMEs, never copied by hand: each line of a ```bash block
+The commands are read out of the READMEs and the pages, never copied by hand: each line of a ```bash block
 (its comment cut off), each `$ ` line of a plain block (with the output shown under it), and each
 inline code span that starts with a command, a Hydra override or a `config error:` line. Each one
 must match a rule of CLASSIFIED, or the test fails: a new README line cannot slip past. The rule
@@ -62,7 +63,7 @@ NOT_HYDRA = {"iommu=pt": "a kernel parameter"}  # key=value in prose that is not
 
 @dataclass(frozen=True)
 class Found:
-    readme: str  # template, project or local (configs/local/README.md)
+    readme: str  # template, project, local (configs/local/README.md) or docs/<page>.md
     kind: str  # command, override, error (a `config error:` line shown) or yaml
     text: str
     section: str = ""  # the heading above it
@@ -610,10 +611,13 @@ def names_of(project: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def readmes(default_project) -> dict[str, str]:
+    """Both READMEs, configs/local's, and every page of the project's docs/ (its reference)."""
+    pages = sorted((default_project / "docs").glob("*.md"))
     return {
         "template": (TEMPLATE / "README.md").read_text(),
         "project": (default_project / "README.md").read_text(),
         "local": (default_project / "configs" / "local" / "README.md").read_text(),
+        **{f"docs/{page.name}": page.read_text() for page in pages},
     }
 
 
@@ -664,10 +668,24 @@ def plan(found, default_project, installed_default, tmp_path_factory) -> Plan:
 
 
 def problems(steps: list[Step]) -> list[str]:
-    return [f"{s.found.readme} README: {s.what}: {s.problem}" for s in steps if s.problem]
+    return [f"{where(s.found.readme)}: {s.what}: {s.problem}" for s in steps if s.problem]
+
+
+def where(readme: str) -> str:
+    return readme if readme.startswith("docs/") else f"{readme} README"
 
 
 # ---------------------------------------------------------------- the tests
+
+
+def test_every_docs_page_is_read_as_the_readmes_are(readmes, found, default_project):
+    """The reference moved out of the project's README into docs/: each page is read, and the
+    pages that show commands give theirs (a page the fixture skipped would run nothing)."""
+    pages = {f"docs/{page.name}" for page in (default_project / "docs").glob("*.md")}
+    assert len(pages) >= 10 and pages <= set(readmes)
+    shown = {item.readme for item in found if item.kind == "command"}
+    assert {"docs/nccl.md", "docs/kubernetes.md", "docs/checkpoints.md", "docs/performance.md"} <= shown
+    assert {item.readme for item in found if item.kind == "yaml"} == {"local", "docs/configuration.md"}
 
 
 def test_every_command_in_the_readmes_is_classified(found, default_project):
@@ -778,12 +796,15 @@ def kinds(project: Path) -> set[str]:
 
 
 def test_the_project_readme_names_its_workload_and_deletes_every_kind_it_applies(flavor_project):
-    """The intro names the flavor's workload; the delete command holds every kind in k8s/."""
+    """The intro names the flavor's workload; docs/kubernetes.md's delete command holds every kind
+    in k8s/, and it is the one delete the project's docs show."""
     readme = (flavor_project / "README.md").read_text()
     workload = sorted(kinds(flavor_project) - {"Service", "PersistentVolumeClaim", "ServiceAccount"})
     assert len(workload) == 1
     assert f" {workload[0]}\nwhose pods" in readme.split("## Quick start")[0]
-    (delete,) = re.findall(r"^kubectl .* delete (\S+) -l ", readme, re.MULTILINE)
+    docs = "\n".join(p.read_text() for p in [flavor_project / "README.md", *(flavor_project / "docs").glob("*.md")])
+    (delete,) = re.findall(r"^kubectl .* delete (\S+) -l ", docs, re.MULTILINE)
+    assert delete in (flavor_project / "docs" / "kubernetes.md").read_text()
     plural = {kind.lower() + ("es" if kind.endswith("s") else "s") for kind in kinds(flavor_project)}
     assert plural <= set(delete.split(",")), delete
 
@@ -798,10 +819,11 @@ def test_the_readmes_say_what_the_image_and_the_manifests_run(flavor_project):
     assert "initContainers" not in manifests and f"{project}\n" in manifests  # the command's word
     template_readme = (TEMPLATE / "README.md").read_text()
     assert 'ENTRYPOINT ["ddp-project", "train"]' in template_readme
-    for text in (template_readme, (flavor_project / "README.md").read_text()):
+    pages = [flavor_project / "README.md", *(flavor_project / "docs").glob("*.md")]
+    for text in (template_readme, *(page.read_text() for page in pages)):
         assert "check-config" not in text and "exec torchrun" not in text
         assert 'ENTRYPOINT ["torchrun"]' not in text and "`torchrun` as PID 1" not in text
-    assert f"`{project} train` as PID 1" in (flavor_project / "README.md").read_text()
+    assert f"`{project} train` as PID 1" in (flavor_project / "docs" / "kubernetes.md").read_text()
 
 
 def test_the_printed_cd_works_from_any_directory_even_through_spaces(tmp_path):

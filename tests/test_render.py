@@ -42,6 +42,17 @@ EXPECTED_FILES = {
     ".gitignore",
     "Dockerfile",
     "README.md",
+    "docs/checkpoints.md",
+    "docs/coming-from-lightning.md",
+    "docs/configuration.md",
+    "docs/exit-codes.md",
+    "docs/kubernetes.md",
+    "docs/layout.md",
+    "docs/nccl.md",
+    "docs/performance.md",
+    "docs/runs.md",
+    "docs/tooling.md",
+    "docs/troubleshooting.md",
     "Makefile",
     "pyproject.toml",
     "ruff.toml",
@@ -798,14 +809,19 @@ def test_one_setup_path_in_the_template_readme_cookiecutters_next_and_the_projec
     assert project_steps[0].startswith("python3 -m venv .venv") and project_steps[1].startswith("make torch")
 
 
-PATH_NAMED = re.compile(r"(?<![\w./<{-])((?:\.github|configs|src|tests|k8s|scripts|benchmarks|hooks)/[\w.{}/-]*[\w}])")
+PATH_NAMED = re.compile(
+    r"(?<![\w./<{-])((?:\.github|configs|docs|src|tests|k8s|scripts|benchmarks|hooks)/[\w.{}/-]*[\w}])"
+)
 # Named in the docs on purpose, and absent from a default render: machine-local or per flavor.
 MAY_BE_ABSENT = {"configs/local/default.yaml", "k8s/service.yaml", "k8s/jobset.yaml", "k8s/pytorchjob.yaml",
                  "k8s/trainjob.yaml", "k8s/serviceaccount.yaml"}  # fmt: skip
+# Linked from the project's README, written on another branch (issue 37): until it lands, the one
+# page a link may name that the render lacks. Remove it here, and add it to EXPECTED_FILES, then.
+PENDING = {"docs/extending.md"}
 
 
 # This README section names lightning-hydra-template's files, next to ours.
-THEIRS = re.compile(r"^## Coming from lightning-hydra-template$.*?(?=^## )", re.MULTILINE | re.DOTALL)
+THEIRS = re.compile(r"^#+ Coming from lightning-hydra-template$.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
 
 
 def named_paths(text: str) -> set[str]:
@@ -823,9 +839,46 @@ def test_every_path_the_docs_and_comments_name_exists(default_project):
         if "k8s" in source.parts[len(default_project.parts) :][:1]:
             continue  # generated manifests name no files
         for path in named_paths(source.read_text(errors="replace")):
-            if path not in MAY_BE_ABSENT and not (default_project / path).exists():
+            if path not in MAY_BE_ABSENT | PENDING and not (default_project / path).exists():
                 missing.add(f"{source.relative_to(default_project)}: {path}")
     for path in named_paths((TEMPLATE / "README.md").read_text().replace("{{cookiecutter.package}}", "ddp_project")):
         if not (TEMPLATE / path).exists() and not (default_project / path).exists() and path not in MAY_BE_ABSENT:
             missing.add(f"README.md (template): {path}")
     assert sorted(missing) == []
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lowercase, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.MULTILINE | re.DOTALL)
+    return {slug(heading) for heading in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+
+
+def test_every_link_in_the_readme_and_docs_pages_reaches_a_file_and_heading(default_project):
+    """The README is the first hour and links the reference, docs/*.md, which link each other: a
+    link that names a missing page, or a heading that moved, is a dead end for a newcomer."""
+    pages = [default_project / "README.md", default_project / "configs" / "local" / "README.md",
+             *sorted((default_project / "docs").glob("*.md"))]  # fmt: skip
+    assert len(pages) >= 12
+    dead, checked = [], 0
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"\w+://", target):
+                continue  # the web: not checked offline
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            name = str(linked.relative_to(default_project)) if linked.is_relative_to(default_project) else str(linked)
+            checked += 1
+            if name in PENDING:
+                continue
+            if not linked.is_file():
+                dead.append(f"{page.relative_to(default_project)}: {target}: no such file")
+            elif anchor and anchor not in anchors(linked.read_text()):
+                dead.append(f"{page.relative_to(default_project)}: {target}: no such heading")
+    assert checked > 20 and dead == []

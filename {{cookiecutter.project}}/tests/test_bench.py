@@ -1,6 +1,6 @@
 """The bench on CPU: 2 gloo processes, a few steps. The figures mean little here; the flow, the
 pairing, the JSON and the clean exit are what users rely on. Speed targets live in the bench's
-GPU runs (BENCHMARKS.md), not in these tests."""
+GPU runs (the template's benchmarks), not in these tests."""
 
 import argparse
 import json

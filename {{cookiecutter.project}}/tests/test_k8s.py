@@ -917,11 +917,12 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
 def test_every_exit_code_is_in_the_readme_and_a_job_fails_at_once_on_exactly_the_fatal_ones(
     compose_train,
 ):
-    """exits.Exit is the one table of codes: the README's rows and the Job's podFailurePolicy are
-    read against it, each code run through the policy as the Job controller runs it."""
+    """exits.Exit is the one table of codes: docs/exit-codes.md's rows and the Job's
+    podFailurePolicy are read against it, each code run through the policy as the Job controller
+    runs it."""
     from test_multinode import pod_failure_verdict
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "exit-codes.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \| ([^|]+) \| ([^|]+) \|$", readme, re.MULTILINE)
     assert [(int(code), name, meaning.strip()) for code, name, meaning, _ in rows] == [
         (int(code), code.name, code.meaning) for code in Exit

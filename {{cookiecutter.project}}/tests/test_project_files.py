@@ -234,13 +234,13 @@ def test_every_yaml_value_says_what_it_is_for():
 
 
 def test_the_readmes_layout_names_every_module():
-    """The README's Layout is the package map a newcomer reads first: a module it does not name
-    is one they will not find."""
-    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    """docs/layout.md, which the README links, is the package map a newcomer reads first: a
+    module it does not name is one they will not find."""
+    layout = (ROOT / "docs" / "layout.md").read_text().split("\n```\n", 1)[1].split("\n```", 1)[0]
     package = ROOT / "src" / PACKAGE
     modules = {p.name for p in package.glob("*.py")} - {"__init__.py"}
     named = set(re.findall(r"\b\w+\.py\b", layout))
-    assert modules - named == set(), "add them to the README's Layout"
+    assert modules - named == set(), "add them to docs/layout.md"
     assert named - modules == set(), "the Layout names modules that are gone"
 
 

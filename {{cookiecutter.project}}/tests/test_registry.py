@@ -1,4 +1,4 @@
-"""A model and a data set added through the registry alone, as the README's "Adding a model, a
+"""A model and a data set added through the registry alone, as docs/configuration.md's "Adding a model, a
 dataset or a logger" says: a YAML file in configs/<group>/ and a registered schema and builder for
 each, no other edit. They compose, are checked, train and are scored, in this process. A model
 with the same keys as another is told apart by the option its checkpoints record; a registration

@@ -388,7 +388,7 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
 ):
     """SIGTERM while rank 0 waits for rank 1 in C (Python runs no handler there): in
     init_process_group, or in the exchange before the first step, which fails as rank 1 ends;
-    or while every rank runs its first step, as long as a compile of the model (issue 22) takes.
+    or while every rank runs its first step, as long as a compile of the model takes.
     Nothing to save: every rank ends at once (on its own, the 60 s waits cut short, under 3
     CPU-seconds after the signal) with 143, one line, and no remedy block."""
     env, records = stop_hook
