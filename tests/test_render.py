@@ -17,6 +17,7 @@ import yaml
 from conftest import (
     BIN,
     FLAVORS,
+    MATRIX,
     MATRIX_IDS,
     PACKAGE_SOURCES,
     PROFILE_ENV,
@@ -328,17 +329,41 @@ def test_job_env_block_carries_the_profile(rendered):
     assert env == PROFILE_ENV[rendered.profile]
 
 
-def test_the_answers_offer_what_the_package_has():
-    """cookiecutter.json's lists are the prompt's; the package's tables are what a project can use.
-    Read from the unrendered sources, which are Python."""
+def flavor_table() -> list[str]:
+    """The names in k8s/flavors.py's FLAVORS, in order: every flavor there is (the deploy schema's
+    choices derive from it). Read from the unrendered source, which is Python."""
     tree = ast.parse((PACKAGE_SOURCES / "k8s" / "flavors.py").read_text())
     (table,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "FLAVORS"]
-    assert [key.value for key in table.keys] == FLAVORS
-    deploy = ast.parse((PACKAGE_SOURCES / "deploy_config.py").read_text())
-    (flavor,) = [n for n in deploy.body if isinstance(n, ast.ClassDef) and n.name == "Flavor"]
-    assert [n.targets[0].id for n in flavor.body if isinstance(n, ast.Assign)] == FLAVORS
+    return [key.value for key in table.keys]
+
+
+def test_the_answers_offer_what_the_package_has():
+    """cookiecutter.json's lists are the prompt's; the package's tables are what a project can use."""
+    assert FLAVORS == flavor_table()
     assert sorted(PROFILE_ENV) == sorted(PROFILES)
     assert sorted(p.stem for p in (PROJECT_SOURCES / "configs" / "nccl").glob("*.yaml")) == sorted(PROFILES)
+
+
+def test_every_flavor_is_prompted_documented_and_rendered():
+    """What cannot import FLAVORS names each flavor in it, and no other: the prompt's help, the
+    READMEs (the project's opening line and its "Which to pick" table, the template's answer
+    table), the deploy group's comment, and the renders of this matrix, one and several nodes."""
+    table = flavor_table()
+    prompts = json.loads((TEMPLATE / "cookiecutter.json").read_text())["__prompts__"]["k8s_flavor"]
+    assert [name for name in prompts if name != "__prompt__"] == table
+    readme = (PROJECT_SOURCES / "README.md").read_text()
+    (opening,) = re.findall(r"\{\{ (\{.*\})\[cookiecutter\.k8s_flavor\] \}\}", readme)
+    assert list(ast.literal_eval(opening)) == table
+    pick = readme[readme.index("| flavor | needs | pick it when |"):].split("\n\n")[0]
+    assert re.findall(r"^\| `([^`]+)` \|", pick, re.MULTILINE) == table
+    answers = next(line for line in (TEMPLATE / "README.md").read_text().splitlines()
+                   if line.startswith("| `k8s_flavor` |"))  # fmt: skip
+    assert re.findall(r"`([a-z0-9]+)`: ", answers) == table
+    deploy = (PROJECT_SOURCES / "configs" / "deploy" / "default.yaml").read_text()
+    (comment,) = [line.split("#", 1)[1] for line in deploy.splitlines() if line.startswith("flavor:")]
+    assert re.findall(r"([a-z0-9]+): ", comment) == table
+    rendered = {(flavor, nodes > 1) for _, _, _, nodes, flavor in MATRIX}
+    assert rendered == {(flavor, several) for flavor in table for several in (False, True)}
 
 
 def test_profile_files_and_job_env_agree_through_the_projects_own_rules(rendered):

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .checks import RESTRICTED_CAPABILITIES, deploy_errors
-from .flavors import FLAVORS, TRAINJOB_RUNTIME
+from .flavors import FLAVORS
 from .pods import nccl_env, runs_claim
 
 PACKAGE = __package__.rpartition(".")[0]
@@ -34,17 +34,11 @@ def header(file: str, deploy: Mapping[str, Any]) -> str:
         f"{nodes * gpus} processes in all.\n"
     )
     flavor = FLAVORS[deploy["flavor"]]
-    follow = f"#   make k8s-apply && kubectl logs -f -l app.kubernetes.io/name={name}\n"
-    workload = shape + (f"# Needs {flavor.needs}.\n" if flavor.needs else "")
-    if deploy["flavor"] == "trainjob":
-        workload += ("# The runtime decides the retries and keeps finished jobs "
-                     "(deploy.backoff_limit and deploy.ttl_after_finished_s do not apply).\n")  # fmt: skip
+    workload = shape + (f"# Needs {flavor.needs}.\n" if flavor.needs else "") + flavor.header_note
+    follow = f"#   make k8s-apply && kubectl logs -f {flavor.logs.format(name=name)}\n"
     return {
-        f"{deploy['flavor']}.yaml": workload
-        + (f"#   make k8s-apply && kubectl logs -f job/{name}\n" if deploy["flavor"] == "job" else follow),
-        "service.yaml": f"# The headless Service that names each pod of the Indexed Job: {name}-<index>.{name}\n",
-        "serviceaccount.yaml": "# The pods' ServiceAccount, without an API token: a TrainJob "
-        "cannot set automountServiceAccountToken on its pods.\n",
+        f"{deploy['flavor']}.yaml": workload + follow,
+        **{file: text.format(name=name) for file, text in flavor.companion_headers.items()},
         "runs-pvc.yaml": "# Storage for run dirs (logs, metrics, checkpoints) that outlives any one pod.\n",
     }[file]  # fmt: skip
 
@@ -109,18 +103,7 @@ def lost_node_note(deploy: Mapping[str, Any]) -> str:
     )
     remedy = ("once the node is down for good, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute "
               "or delete its Node: PodGC then fails the pod")  # fmt: skip
-    if deploy["flavor"] == "trainjob":
-        return (f"note: a pod on a node that stopped answering is evicted {evicted} and stays Terminating; "
-                "the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
-                "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
-                f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot; {remedy}")  # fmt: skip
-    replaced = (
-        "the Job replaces it only when it has failed (podReplacementPolicy Failed, which "
-        "podFailurePolicy requires)"
-        if deploy["flavor"] in ("job", "jobset")
-        # the operator names a pod <name>-worker-<index>, without a random suffix
-        else "its replacement has its name, so the operator can create it only once the old pod is gone"
-    )
+    replaced = FLAVORS[deploy["flavor"]].lost_node  # who replaces it, and when
     return f"note: a pod on a node that stopped answering is evicted {evicted} and stays Terminating; {replaced}; {remedy}"
 
 
