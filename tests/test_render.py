@@ -128,6 +128,7 @@ EXPECTED_FILES = {
     "src/{package}/validate.py",
     "src/{package}/world.py",
     "src/{package}/worker_exits.py",
+    "docs/extending.md",
     "tests/conftest.py",
     "tests/heartbeat.py",
     "tests/test_admission.py",
@@ -141,6 +142,7 @@ EXPECTED_FILES = {
     "tests/test_data.py",
     "tests/test_doctor.py",
     "tests/test_evaluate.py",
+    "tests/test_extending.py",
     "tests/test_failfast.py",
     "tests/test_launch.py",
     "tests/test_multinode.py",
@@ -775,7 +777,9 @@ def test_one_setup_path_in_the_template_readme_cookiecutters_next_and_the_projec
 PATH_NAMED = re.compile(r"(?<![\w./<{-])((?:\.github|configs|src|tests|k8s|scripts|benchmarks|hooks)/[\w.{}/-]*[\w}])")
 # Named in the docs on purpose, and absent from a default render: machine-local or per flavor.
 MAY_BE_ABSENT = {"configs/local/default.yaml", "k8s/service.yaml", "k8s/jobset.yaml", "k8s/pytorchjob.yaml",
-                 "k8s/trainjob.yaml", "k8s/serviceaccount.yaml"}  # fmt: skip
+                 "k8s/trainjob.yaml", "k8s/serviceaccount.yaml",
+                 # docs/extending.md's examples: what its recipes add (tests/test_extending.py adds them)
+                 "configs/model/linear.yaml", "configs/logger/console.yaml", "k8s/appwrapper.yaml"}  # fmt: skip
 
 
 # This README section names lightning-hydra-template's files, next to ours.
