@@ -411,6 +411,7 @@ def test_make_k8s_apply_finds_each_flavors_pods_where_its_controller_reads_them(
         launcher[key] for key in ("image", "command", "args", "env")
     ]
     assert apply.claims_of(workload) == {f"{deploy_defaults()['name']}-runs-rwx"}
+    assert len({f.kind for f in FLAVORS.values()}) == len(FLAVORS)  # apply finds the entry by kind
 
 
 ZONE_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [

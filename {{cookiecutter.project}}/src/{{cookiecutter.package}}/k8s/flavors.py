@@ -304,7 +304,7 @@ class Flavor:
     """Everything about a flavor that is its own; its name is its key in FLAVORS, and the name of
     the file it writes, k8s/<name>.yaml."""
 
-    kind: str  # the workload's kind
+    kind: str  # the workload's kind, this flavor's own: make k8s-apply finds the entry by it
     resource: str  # as kubectl names it: make k8s-apply deletes the project's workloads by it
     build: Callable[[Deploy, Env], dict]
     needs: str  # the controller a cluster must run, for the file's header; "" for none
