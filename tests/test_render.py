@@ -18,6 +18,7 @@ import yaml
 from conftest import (
     BIN,
     FLAVORS,
+    MATRIX,
     MATRIX_IDS,
     PACKAGE_SOURCES,
     PROFILE_ENV,
@@ -140,6 +141,7 @@ EXPECTED_FILES = {
     "src/{package}/validate.py",
     "src/{package}/world.py",
     "src/{package}/worker_exits.py",
+    "docs/extending.md",
     "tests/conftest.py",
     "tests/heartbeat.py",
     "tests/test_admission.py",
@@ -153,6 +155,7 @@ EXPECTED_FILES = {
     "tests/test_data.py",
     "tests/test_doctor.py",
     "tests/test_evaluate.py",
+    "tests/test_extending.py",
     "tests/test_failfast.py",
     "tests/test_launch.py",
     "tests/test_multinode.py",
@@ -390,17 +393,41 @@ def test_job_env_block_carries_the_profile(rendered):
     assert env == PROFILE_ENV[rendered.profile]
 
 
-def test_the_answers_offer_what_the_package_has():
-    """cookiecutter.json's lists are the prompt's; the package's tables are what a project can use.
-    Read from the unrendered sources, which are Python."""
+def flavor_table() -> list[str]:
+    """The names in k8s/flavors.py's FLAVORS, in order: every flavor there is (the deploy schema's
+    choices derive from it). Read from the unrendered source, which is Python."""
     tree = ast.parse((PACKAGE_SOURCES / "k8s" / "flavors.py").read_text())
     (table,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "FLAVORS"]
-    assert [key.value for key in table.keys] == FLAVORS
-    deploy = ast.parse((PACKAGE_SOURCES / "deploy_config.py").read_text())
-    (flavor,) = [n for n in deploy.body if isinstance(n, ast.ClassDef) and n.name == "Flavor"]
-    assert [n.targets[0].id for n in flavor.body if isinstance(n, ast.Assign)] == FLAVORS
+    return [key.value for key in table.keys]
+
+
+def test_the_answers_offer_what_the_package_has():
+    """cookiecutter.json's lists are the prompt's; the package's tables are what a project can use."""
+    assert FLAVORS == flavor_table()
     assert sorted(PROFILE_ENV) == sorted(PROFILES)
     assert sorted(p.stem for p in (PROJECT_SOURCES / "configs" / "nccl").glob("*.yaml")) == sorted(PROFILES)
+
+
+def test_every_flavor_is_prompted_documented_and_rendered():
+    """What cannot import FLAVORS names each flavor in it, and no other: the prompt's help, the
+    READMEs (the project's opening line and its "Which to pick" table, the template's answer
+    table), the deploy group's comment, and the renders of this matrix, one and several nodes."""
+    table = flavor_table()
+    prompts = json.loads((TEMPLATE / "cookiecutter.json").read_text())["__prompts__"]["k8s_flavor"]
+    assert [name for name in prompts if name != "__prompt__"] == table
+    readme = (PROJECT_SOURCES / "README.md").read_text()
+    (opening,) = re.findall(r"\{\{ (\{.*\})\[cookiecutter\.k8s_flavor\] \}\}", readme)
+    assert list(ast.literal_eval(opening)) == table
+    pick = readme[readme.index("| flavor | needs | pick it when |"):].split("\n\n")[0]
+    assert re.findall(r"^\| `([^`]+)` \|", pick, re.MULTILINE) == table
+    answers = next(line for line in (TEMPLATE / "README.md").read_text().splitlines()
+                   if line.startswith("| `k8s_flavor` |"))  # fmt: skip
+    assert re.findall(r"`([a-z0-9]+)`: ", answers) == table
+    deploy = (PROJECT_SOURCES / "configs" / "deploy" / "default.yaml").read_text()
+    (comment,) = [line.split("#", 1)[1] for line in deploy.splitlines() if line.startswith("flavor:")]
+    assert re.findall(r"([a-z0-9]+): ", comment) == table
+    rendered = {(flavor, nodes > 1) for _, _, _, nodes, flavor in MATRIX}
+    assert rendered == {(flavor, several) for flavor in table for several in (False, True)}
 
 
 def test_profile_files_and_job_env_agree_through_the_projects_own_rules(rendered):
@@ -814,10 +841,9 @@ PATH_NAMED = re.compile(
 )
 # Named in the docs on purpose, and absent from a default render: machine-local or per flavor.
 MAY_BE_ABSENT = {"configs/local/default.yaml", "k8s/service.yaml", "k8s/jobset.yaml", "k8s/pytorchjob.yaml",
-                 "k8s/trainjob.yaml", "k8s/serviceaccount.yaml"}  # fmt: skip
-# Linked from the project's README, written on another branch (issue 37): until it lands, the one
-# page a link may name that the render lacks. Remove it here, and add it to EXPECTED_FILES, then.
-PENDING = {"docs/extending.md"}
+                 "k8s/trainjob.yaml", "k8s/serviceaccount.yaml",
+                 # docs/extending.md's examples: what its recipes add (tests/test_extending.py adds them)
+                 "configs/model/linear.yaml", "configs/logger/console.yaml", "k8s/appwrapper.yaml"}  # fmt: skip
 
 
 # This README section names lightning-hydra-template's files, next to ours.
@@ -839,7 +865,7 @@ def test_every_path_the_docs_and_comments_name_exists(default_project):
         if "k8s" in source.parts[len(default_project.parts) :][:1]:
             continue  # generated manifests name no files
         for path in named_paths(source.read_text(errors="replace")):
-            if path not in MAY_BE_ABSENT | PENDING and not (default_project / path).exists():
+            if path not in MAY_BE_ABSENT and not (default_project / path).exists():
                 missing.add(f"{source.relative_to(default_project)}: {path}")
     for path in named_paths((TEMPLATE / "README.md").read_text().replace("{{cookiecutter.package}}", "ddp_project")):
         if not (TEMPLATE / path).exists() and not (default_project / path).exists() and path not in MAY_BE_ABSENT:
@@ -875,8 +901,6 @@ def test_every_link_in_the_readme_and_docs_pages_reaches_a_file_and_heading(defa
             linked = (page.parent / path).resolve() if path else page
             name = str(linked.relative_to(default_project)) if linked.is_relative_to(default_project) else str(linked)
             checked += 1
-            if name in PENDING:
-                continue
             if not linked.is_file():
                 dead.append(f"{page.relative_to(default_project)}: {target}: no such file")
             elif anchor and anchor not in anchors(linked.read_text()):

@@ -10,14 +10,12 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 from ..k8s.checks import deploy_errors
+from ..k8s.flavors import FLAVORS
 from .error import ConfigError
 
-
-class Flavor(Enum):
-    job = "job"  # batch/v1 Job, and a headless Service for several nodes: no operator needed
-    jobset = "jobset"  # a JobSet (jobset.x-k8s.io): restarts every node's pod together
-    pytorchjob = "pytorchjob"  # a Kubeflow PyTorchJob (kubeflow.org/v1): the training operator
-    trainjob = "trainjob"  # a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1)
+# deploy.flavor's choices: the names of k8s.flavors.FLAVORS, whose entries say what each is. An
+# Enum, so that a bad value is refused as any other choice is, naming the allowed ones.
+FlavorName = Enum("FlavorName", {name: name for name in FLAVORS}, module=__name__)
 
 
 class AccessMode(Enum):
@@ -45,7 +43,7 @@ class DeployConfig:
     image: str = MISSING
     image_pull_policy: PullPolicy = MISSING
     namespace: str = MISSING
-    flavor: Flavor = MISSING
+    flavor: FlavorName = MISSING
     nodes: int = MISSING
     gpus_per_node: int = MISSING
     cpu_per_gpu: str = MISSING

@@ -219,9 +219,10 @@ def load(folder: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def pod_template(workload: dict[str, Any]) -> dict[str, Any] | None:
-    """The template of the workload's pods, as its controller makes them (for a TrainJob, the
-    runtime patch's pod with the trainer's container fields; the runtime's own part is not in it);
-    None where the workload has no such template (the server's dry run says what is wrong)."""
+    """The template of the workload's pods, as its controller makes them (its flavor's
+    pod_template: for a TrainJob, the runtime patch's pod with the trainer's container fields; the
+    runtime's own part is not in it); None where the workload is of no flavor's kind or has no such
+    template (the server's dry run says what is wrong)."""
     try:
         return template_in(workload)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
@@ -229,28 +230,8 @@ def pod_template(workload: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def template_in(workload: dict[str, Any]) -> dict[str, Any]:
-    spec = workload["spec"]
-    kind = workload["kind"]
-    if kind == "Job":
-        return spec["template"]
-    if kind == "JobSet":
-        return spec["replicatedJobs"][0]["template"]["spec"]["template"]
-    if kind == "PyTorchJob":
-        return spec["pytorchReplicaSpecs"]["Worker"]["template"]
-    (patch,) = spec["runtimePatches"]
-    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    template = node["template"]["spec"]["template"]
-    trainer = spec["trainer"]
-    fields = {"image": trainer.get("image"), "command": trainer.get("command"),
-              "args": trainer.get("args"), "env": trainer.get("env"),
-              "resources": trainer.get("resourcesPerNode")}  # fmt: skip
-    containers = [
-        c | {k: v for k, v in fields.items() if v is not None}
-        for c in template["spec"]["containers"]
-    ]
-    # its ServiceAccount is applied with k8s/: the check's pod takes the namespace's default
-    pod = {k: v for k, v in template["spec"].items() if k != "serviceAccountName"}
-    return {"metadata": template.get("metadata", {}), "spec": pod | {"containers": containers}}
+    (flavor,) = [f for f in FLAVORS.values() if f.kind == workload["kind"]]
+    return flavor.pod_template(workload)
 
 
 def claims_of(workload: dict[str, Any]) -> set[str]:

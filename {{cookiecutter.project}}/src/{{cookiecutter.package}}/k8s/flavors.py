@@ -1,10 +1,12 @@
 """One builder per workload kind, and the table FLAVORS that deploy.flavor picks from. A new
-flavor is a builder here and an entry in the table (and its name in deploy_config.Flavor)."""
+flavor is a builder here and an entry in the table, nothing else: the deploy schema's choices
+(deploy_config.FlavorName), the checks, render and apply read the table, and the template's tests
+hold its prompt and the READMEs against it (docs/extending.md, "Add a flavor")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import PACKAGE
@@ -43,8 +45,11 @@ PATCH_MANAGER = f"ddp-template.local/{PACKAGE}"
 RANDOM_SUFFIX = "-abcde"  # the 5 characters a controller's generateName adds to a pod's name
 
 
-def job_spec(deploy: Deploy, env: Env, backoff_limit: int, rendezvous_host: str) -> dict:
-    """One pod per node (Indexed when there are several), failing fast on a config error."""
+def job_spec(
+    deploy: Deploy, env: Env, backoff_limit: int, rendezvous_host: str, subdomain: bool = False
+) -> dict:
+    """One pod per node (Indexed when there are several), failing fast on a config error.
+    subdomain: the pods' own, the headless Service's name (a JobSet sets it itself)."""
     name, nodes = deploy["name"], deploy["nodes"]
     container = trainer_container(deploy, env, torchrun_launch(deploy, rendezvous_host))
     pod = pod_spec(deploy, container)  # Never: podFailurePolicy needs it; a new pod resumes the run
@@ -70,7 +75,7 @@ def job_spec(deploy: Deploy, env: Env, backoff_limit: int, rendezvous_host: str)
     }
     if nodes > 1:
         spec |= {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes}
-        if deploy["flavor"] == "job":  # a JobSet sets the subdomain of its pods itself
+        if subdomain:
             pod["subdomain"] = name  # pods are <name>-<index>.<name>: the headless Service
     spec["template"] = {"metadata": pod_metadata(deploy), "spec": pod}
     return spec
@@ -80,7 +85,7 @@ def job(deploy: Deploy, env: Env) -> dict:
     # A failure on one node fails the pods of every node: count retries per failure.
     name = deploy["name"]
     backoff_limit = deploy["backoff_limit"] * deploy["nodes"]
-    spec = job_spec(deploy, env, backoff_limit, rendezvous_host=f"{name}-0.{name}")
+    spec = job_spec(deploy, env, backoff_limit, rendezvous_host=f"{name}-0.{name}", subdomain=True)
     spec = optional(ttlSecondsAfterFinished=deploy["ttl_after_finished_s"]) | spec
     return manifest("batch/v1", "Job", deploy, spec, queued=True)
 
@@ -228,6 +233,25 @@ def trainjob(deploy: Deploy, env: Env) -> dict:
     return manifest("trainer.kubeflow.org/v1alpha1", "TrainJob", deploy, spec, queued=True)
 
 
+def trainjob_pod_template(trainjob: dict) -> dict:
+    """The runtime patch's pod with the trainer's container fields (the runtime's own part is not
+    in it), without its ServiceAccount: k8s/ applies that, a check's pod takes the default."""
+    spec = trainjob["spec"]
+    (patch,) = spec["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    template = node["template"]["spec"]["template"]
+    trainer = spec["trainer"]
+    fields = {"image": trainer.get("image"), "command": trainer.get("command"),
+              "args": trainer.get("args"), "env": trainer.get("env"),
+              "resources": trainer.get("resourcesPerNode")}  # fmt: skip
+    containers = [
+        c | {k: v for k, v in fields.items() if v is not None}
+        for c in template["spec"]["containers"]
+    ]
+    pod = {k: v for k, v in template["spec"].items() if k != "serviceAccountName"}
+    return {"metadata": template.get("metadata", {}), "spec": pod | {"containers": containers}}
+
+
 def service_account(deploy: Deploy) -> dict:
     """A TrainJob's pods' account, without an API token: its pods cannot say so themselves."""
     account = manifest("v1", "ServiceAccount", deploy, spec=None)
@@ -278,14 +302,27 @@ def pytorchjob_pod_name(name: str, nodes: int) -> str:
 
 @dataclass(frozen=True)
 class Flavor:
-    kind: str  # the workload's kind
+    """Everything about a flavor that is its own; its name is its key in FLAVORS, and the name of
+    the file it writes, k8s/<name>.yaml."""
+
+    kind: str  # the workload's kind, this flavor's own: make k8s-apply finds the entry by it
     resource: str  # as kubectl names it: make k8s-apply deletes the project's workloads by it
     build: Callable[[Deploy, Env], dict]
     needs: str  # the controller a cluster must run, for the file's header; "" for none
     # The longest pod name its controller makes, from deploy.name and deploy.nodes: within 63.
     pod_name: Callable[[str, int], str]
-    # The other objects it needs, by file name (a Job's Service, a TrainJob's ServiceAccount).
+    # The template its controller makes its pods from, out of the built workload: make k8s-apply
+    # checks it as a bare Pod (PodSecurity) and reads its claims and grace period.
+    pod_template: Callable[[dict], dict]
+    # What becomes of a pod on a node that stopped answering, once it is evicted and stays
+    # Terminating (the notes after a render): who replaces it, and when.
+    lost_node: str
+    # The other objects it needs, by file name (a Job's Service, a TrainJob's ServiceAccount),
+    # and the comment above each of those files, formatted with name=deploy.name.
     companions: Callable[[Deploy], dict[str, dict]] = lambda deploy: {}
+    companion_headers: Mapping[str, str] = field(default_factory=dict)
+    header_note: str = ""  # more for its file's header: what the deploy keys cannot set
+    logs: str = "-l app.kubernetes.io/name={name}"  # what kubectl logs -f follows, with name=
     cannot: Callable[[Deploy], list[tuple[str, str]]] = lambda deploy: []  # (key, why) it refuses
     # Kueue's integration for the kind where a platform must enable it (Kueue's Configuration,
     # integrations.frameworks; per Kueue's docs for PyTorchJob and TrainJob): without it the
@@ -293,15 +330,34 @@ class Flavor:
     kueue_opt_in: str = ""
 
 
+# A Job's pods, and a JobSet's, whose Job holds them: replaced only once failed.
+JOB_LOST_NODE = ("the Job replaces it only when it has failed (podReplacementPolicy Failed, which "
+                 "podFailurePolicy requires)")  # fmt: skip
+
 FLAVORS = {
     "job": Flavor("Job", "jobs.batch", job, needs="", pod_name=job_pod_name,
-                  companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {}),
+                  pod_template=lambda w: w["spec"]["template"], lost_node=JOB_LOST_NODE,
+                  companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {},
+                  companion_headers={"service.yaml": "# The headless Service that names each pod of the Indexed Job: {name}-<index>.{name}\n"},
+                  logs="job/{name}"),
     "jobset": Flavor("JobSet", "jobsets.jobset.x-k8s.io", jobset, pod_name=jobset_pod_name,
-                     needs="the JobSet controller (jobset.x-k8s.io)"),
+                     needs="the JobSet controller (jobset.x-k8s.io)",
+                     pod_template=lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"],
+                     lost_node=JOB_LOST_NODE),
     "pytorchjob": Flavor("PyTorchJob", "pytorchjobs.kubeflow.org", pytorchjob, pod_name=pytorchjob_pod_name,
-                         needs="the Kubeflow training operator (kubeflow.org/v1)", kueue_opt_in="kubeflow.org/pytorchjob"),
+                         needs="the Kubeflow training operator (kubeflow.org/v1)", kueue_opt_in="kubeflow.org/pytorchjob",
+                         pod_template=lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"],
+                         # the operator names a pod <name>-worker-<index>, without a random suffix
+                         lost_node="its replacement has its name, so the operator can create it only once the old pod is gone"),
     "trainjob": Flavor("TrainJob", "trainjobs.trainer.kubeflow.org", trainjob, pod_name=jobset_pod_name,
                        needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
                        companions=lambda d: {"serviceaccount.yaml": service_account(d)}, cannot=trainjob_cannot,
-                       kueue_opt_in="trainer.kubeflow.org/trainjob"),
+                       companion_headers={"serviceaccount.yaml": "# The pods' ServiceAccount, without an API token: a TrainJob "
+                                          "cannot set automountServiceAccountToken on its pods.\n"},
+                       header_note=("# The runtime decides the retries and keeps finished jobs "
+                                    "(deploy.backoff_limit and deploy.ttl_after_finished_s do not apply).\n"),
+                       kueue_opt_in="trainer.kubeflow.org/trainjob", pod_template=trainjob_pod_template,
+                       lost_node=("the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
+                                  "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
+                                  f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot")),
 }  # fmt: skip
