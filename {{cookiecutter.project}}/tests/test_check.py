@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import PACKAGE
 from hydra.types import RunMode
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from ddp_project.config.compose import config_problem
 

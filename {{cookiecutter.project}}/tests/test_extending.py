@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import PACKAGE, ROOT
 
-from ddp_project import registry
+from ddp_project.config import registry
 from ddp_project.k8s.flavors import FLAVORS
 
 DOC = ROOT / "docs" / "extending.md"
@@ -133,8 +133,8 @@ def test_a_model_and_a_logger_added_as_the_page_says_pass_the_check_and_build(ex
 import json, sys, tempfile
 from pathlib import Path
 import torch
-from PACKAGE.check import compose_and_check
-from PACKAGE import loggers
+from PACKAGE.config.compose import compose_and_check
+from PACKAGE.record import loggers
 from PACKAGE.model import build_model
 cfg = compose_and_check(sys.argv[1:])
 net = build_model(cfg.model, cfg.data)

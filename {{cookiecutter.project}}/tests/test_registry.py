@@ -20,7 +20,9 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_project import data, evaluate, model  # noqa: F401  (the options' builders, as train imports them)
+import ddp_project.data  # noqa: F401  (the options' builders, as train imports them)
+from ddp_project import evaluate
+from ddp_project.config import registry, validate
 from ddp_project.config import schema as config
 from ddp_project.config.compose import compose_and_check
 from ddp_project.config.error import ConfigError, require
@@ -31,7 +33,6 @@ from ddp_project.config.schema import (
     PointsConfig,
     register_configs,
 )
-from ddp_project.config import registry, validate
 from ddp_project.core.world import World
 from ddp_project.model import build_model
 from ddp_project.run import checkpoint, rundir

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import PACKAGE, train
+from . import PACKAGE
 from .config import compose as check
 from .config.schema import TrainConfig, uses_cuda
 from .core.cli import Parser, at_least, seconds
@@ -59,6 +59,7 @@ from .model import build_model
 from .nccl import allreduce, process_group
 from .record import perf
 from .run import compilation, ddp
+from .run.nccl_env import apply_nccl_env
 from .run.trainer import Trainer, autocast_for
 
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
@@ -254,7 +255,7 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     cfg = timed(check.compose_and_check(overrides))
     window = cfg.trainer.log_every
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
-    train.apply_nccl_env(cfg, world, scratch)
+    apply_nccl_env(cfg, world, scratch)
     device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
     with process_group.initialized(
         world, device, timeout_s=cfg.dist.timeout_s, destroy_on_error=False

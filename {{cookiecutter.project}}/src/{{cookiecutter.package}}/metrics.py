@@ -1,6 +1,6 @@
 """Redraw a run's metrics.png from its metrics.csv: record.metrics does the drawing.
 
-    python -m {{ cookiecutter.package }}.metrics outputs/<run>
+python -m {{ cookiecutter.package }}.metrics outputs/<run>
 """
 
 import sys

@@ -188,7 +188,6 @@ def config_problem(overrides: list[str]) -> str | None:
     return None
 
 
-
 def checked_or_exit(composed: DictConfig) -> TrainConfig:
     """A job's composed config, checked, or one `config error:` line and exit 2 on every rank."""
     try:

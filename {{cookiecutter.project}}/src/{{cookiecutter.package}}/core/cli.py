@@ -44,7 +44,9 @@ def seconds(text: str, most: float = math.inf, most_said: str = "") -> float:
         value = math.nan
     if not (math.isfinite(value) and 0 < value <= most):
         bound = f" and at most {most_said or f'{most:g}'}" if most < math.inf else ""
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0{bound}; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0{bound}; got {text!r}"
+        )
     return value
 
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..config.error import did_you_mean
+from ..core.suggest import did_you_mean
 from .flavors import FLAVORS, Flavor
 from .meta import TOPOLOGY_ANNOTATIONS, label_text, labels, quantity, topology_annotation
 from .pods import LOST_NODE_TAINTS
