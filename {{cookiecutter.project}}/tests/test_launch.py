@@ -535,7 +535,7 @@ if _marks and os.environ.get("SLOW_RANK_1_SPAWN") and "RANK" not in os.environ:
 
     subprocess.Popen.__init__ = _slow_rank_1
 if _marks and os.environ.get("SLOW_PLOT") and os.environ.get("RANK") == "0":
-    from PACKAGE import metrics
+    from PACKAGE.record import metrics
     _plot = metrics.plot_and_log
 
     def _slow_plot(run_dir):

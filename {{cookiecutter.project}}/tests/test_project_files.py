@@ -183,7 +183,9 @@ def test_the_pods_run_the_launcher_over_all_their_gpus():
     )
 
 
-def test_every_config_group_ships_in_the_wheel():
+def test_every_wing_and_config_group_ships_in_the_wheel():
+    """The image installs the project with pip install . (not editable): a folder the list lacks
+    is missing there, though an editable install finds it."""
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"
     ]
@@ -191,6 +193,8 @@ def test_every_config_group_ships_in_the_wheel():
     expected = {
         f"{PACKAGE}.configs." + ".".join(p.relative_to(ROOT / "configs").parts) for p in folders
     }
+    source = ROOT / "src"
+    expected |= {".".join(p.parent.relative_to(source).parts) for p in source.rglob("__init__.py")}
     missing = expected - set(packages)
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
 

@@ -183,7 +183,7 @@ if "RANK" in os.environ:
 
         dist.init_process_group = _slow_init
     if os.environ.get("SLOW_RANK_1_RESUME"):
-        from PACKAGE.trainer import Trainer
+        from PACKAGE.run.trainer import Trainer
         _resume = Trainer.resume
 
         def _slow_resume(self):
@@ -194,7 +194,7 @@ if "RANK" in os.environ:
 
         Trainer.resume = _slow_resume
     if os.environ.get("FAIL_SECOND_WRITE"):
-        from PACKAGE import checkpoint
+        from PACKAGE.run import checkpoint
         _write, _calls = checkpoint.write_atomically, []
 
         def _write_until_full(state, path):
@@ -219,7 +219,7 @@ if "RANK" in os.environ:
         import threading
 
         import torch
-        from PACKAGE.checkpoint import Checkpointer
+        from PACKAGE.run.checkpoint import Checkpointer
         _save, _stop_save_began, _held = torch.save, threading.Event(), []
         _checkpoint_save = Checkpointer.save
 
@@ -240,7 +240,7 @@ if "RANK" in os.environ:
 
         torch.save, Checkpointer.save = _held_save, _stop_save
     if os.environ.get("PAUSE_RANK_1_AFTER_STEP") and os.environ["RANK"] == "1":
-        from PACKAGE.checkpoint import Checkpointer
+        from PACKAGE.run.checkpoint import Checkpointer
         _checkpoint_save = Checkpointer.save
 
         def _pausing_save(self, step, **kwargs):
@@ -251,7 +251,7 @@ if "RANK" in os.environ:
 
         Checkpointer.save = _pausing_save
     if os.environ.get("SLOW_FIRST_STEP"):
-        from PACKAGE.trainer import Trainer
+        from PACKAGE.run.trainer import Trainer
         _step, _stepped = Trainer.step, []
 
         def _compiling_step(self, *args, **kwargs):
