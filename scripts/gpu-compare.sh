@@ -8,6 +8,10 @@
 # BENCH_ARGS more bench options (e.g. --warmup 10 --steps 25); LAUNCH_TIMEOUT (280 s).
 set -euo pipefail
 repo=$PWD
+if [[ ! -f .bench-ref/ref/cookiecutter.json ]]; then
+  echo "gpu-compare: no .bench-ref/ref/ to compare with; stage it: git archive <commit> --prefix=ref/ | tar -x -C .bench-ref" >&2
+  exit 2
+fi
 source "$(dirname "$0")/gpu-setup.sh"   # this tree: $project installed in $work/site
 ref_render=$work/ref-render
 python3 -m cookiecutter "$repo/.bench-ref/ref" --no-input -o "$ref_render"

@@ -131,7 +131,7 @@ def rendezvous_timeout(parsed: argparse.Namespace, key: str) -> int:
 def store_liveness(
     parsed: argparse.Namespace, one_node: bool, say: Callable[[str], None]
 ) -> StoreLiveness | nullcontext:
-    """Bounds this node's connections to the rendezvous host (store_liveness.py): half of
+    """Bounds this node's connections to the rendezvous host (launcher/store_liveness.py): half of
     read_timeout to give a silent host up, the other half at least for its replacement."""
     if one_node or parsed.rdzv_backend != "c10d":
         return nullcontext()

@@ -1,4 +1,4 @@
-"""Train with DistributedDataParallel: the launch. The loop itself is trainer.py.
+"""Train with DistributedDataParallel: the launch. The loop itself is run/trainer.py.
 
     {{ cookiecutter.project }} train                                           # launch.py: checks, then torchrun on every GPU
     python -m {{ cookiecutter.package }}.train                                     # one process
