@@ -199,10 +199,10 @@ def test_an_interrupted_prepare_leaves_no_token_file(tmp_path, monkeypatch):
     text = tmp_path / "t.txt"
     text.write_text("some text")
 
-    def interrupted(self, target):
+    def interrupted(source, target):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(type(text), "replace", interrupted)  # the last moment before it is done
+    monkeypatch.setattr(os, "replace", interrupted)  # the last moment before it is done
     with pytest.raises(KeyboardInterrupt):
         prepare(text, tmp_path / "t.bin")
     assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]

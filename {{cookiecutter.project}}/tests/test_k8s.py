@@ -910,14 +910,14 @@ def test_a_write_that_fails_halfway_leaves_every_file_as_it_was(tmp_path, monkey
     first, second = tmp_path / "default.yaml", tmp_path / "train.yaml"
     first.write_text("nodes: 1\n")
     second.write_text("defaults: []\n")
-    write_text = Path.write_text
+    stage = sync.stage
 
     def disk_full(path, text, *args, **kwargs):
-        if path.name == f".{second.name}.new":
+        if path == second:
             raise OSError(28, "No space left on device")
-        return write_text(path, text, *args, **kwargs)
+        return stage(path, text, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "write_text", disk_full)
+    monkeypatch.setattr(sync, "stage", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         sync.replace_all({first: "nodes: 2\n", second: "defaults: [x]\n"})
     assert (first.read_text(), second.read_text()) == ("nodes: 1\n", "defaults: []\n")

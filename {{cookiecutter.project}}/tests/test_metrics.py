@@ -424,13 +424,18 @@ def test_a_kill_during_the_resume_rewrite_keeps_the_old_rows(tmp_path, monkeypat
     before = "\n".join([HEADER, csv_row(20), csv_row(40)]) + "\n"
     (tmp_path / "metrics.csv").write_text(before)
 
-    def killed_halfway(self, text, *args, **kwargs):
-        with self.open("w") as out:
-            out.write(text[: len(text) // 2])
-        raise KeyboardInterrupt  # as a signal would, between two writes
+    write_atomically = metrics.write_atomically
 
-    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    def killed_halfway(path, text, *args, **kwargs):
+        def half(out):
+            out.write(text[: len(text) // 2].encode())
+            raise KeyboardInterrupt  # as a signal would, between two writes
+
+        write_atomically(path, half, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "write_atomically", killed_halfway)
     with pytest.raises(KeyboardInterrupt):
         record(tmp_path, start_step=20)
     monkeypatch.undo()
     assert (tmp_path / "metrics.csv").read_text() == before
+    assert not list(tmp_path.glob(".partial-*"))  # nor the half-written new file

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 from .config.registry import builder_of, builds
 from .config.schema import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from .core.exits import Exit
+from .core.files import write_atomically
 
 NOISE = 4  # data=tokens: the values each next token can take given the one before
 TOKEN_DTYPE = np.uint16  # a token file, as nanoGPT writes them: vocabularies up to 65536
@@ -108,16 +110,16 @@ def prepare(text: Path, out: Path) -> int:
     real tokenizer for real work (nanoGPT's prepare scripts use tiktoken's GPT-2 encoding).
     Written beside `out` and renamed into place: an interrupted run leaves no partial file that
     a training run would read."""
-    partial = out.with_name(f".{out.name}.partial")
     count = 0
-    try:
-        with text.open("rb") as source, partial.open("wb") as sink:
+
+    def convert(sink: BinaryIO) -> None:
+        nonlocal count
+        with text.open("rb") as source:
             while chunk := source.read(CHUNK_BYTES):
                 np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPE).tofile(sink)
                 count += len(chunk)
-        partial.replace(out)
-    finally:
-        partial.unlink(missing_ok=True)
+
+    write_atomically(out, convert)
     return count
 
 

@@ -16,7 +16,6 @@ accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one printe
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import sys
 import warnings
@@ -33,6 +32,7 @@ from .config.registry import stored_groups
 from .config.schema import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
 from .config.validate import from_saved
 from .core.exits import Exit
+from .core.files import write_atomically
 from .core.world import World
 from .data import build_dataset
 from .model import build_model
@@ -258,12 +258,7 @@ def save(result: dict, out: Path) -> None:
     """Whole or not at all: a reader never finds half a JSON file, and two evaluations of one
     checkpoint at once each write their own before the rename."""
     out.parent.mkdir(exist_ok=True)
-    partial = out.with_name(f".partial-{os.getpid()}-{out.name}")
-    try:
-        partial.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(partial, out)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_atomically(out, json.dumps(result, indent=2) + "\n")
 
 
 def usage() -> str:

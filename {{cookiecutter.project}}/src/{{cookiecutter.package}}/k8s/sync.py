@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from ..core.files import stage
+
 
 def stale(rendered: Mapping[str, str], folder: Path) -> list[Path]:
     """Files in `folder` that this generator wrote once but would not write now."""
@@ -52,15 +54,17 @@ def replace_all(texts: Mapping[Path, str], remove: list[Path] = ()) -> None:
     staged: dict[Path, Path] = {}
     try:
         for path, text in texts.items():
-            stage = path.with_name(f".{path.name}.new")
-            staged[stage] = path
-            stage.write_text(text)
+            staged[stage(path, text)] = path
     except BaseException:
-        for stage in staged:
-            stage.unlink(missing_ok=True)
+        for partial in staged:
+            partial.unlink(missing_ok=True)
         raise
-    for stage, path in staged.items():
-        os.replace(stage, path)
+    try:
+        for partial, path in staged.items():
+            os.replace(partial, path)
+    finally:  # a rename that failed leaves its file, and those after it, as they were
+        for partial in staged:
+            partial.unlink(missing_ok=True)
     for path in remove:
         path.unlink(missing_ok=True)
 

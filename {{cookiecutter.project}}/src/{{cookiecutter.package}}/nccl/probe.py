@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core.exits import Exit
+from ..core.files import write_atomically
 from ..core.world import World
 from .decision import NodeFacts
 
@@ -239,9 +240,7 @@ def shared_node_facts(
     if local_rank == 0:
         facts = probe()
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".tmp{os.getpid()}")
-        partial.write_text(facts.to_json())
-        os.replace(partial, path)  # readers see the whole file or none
+        write_atomically(path, facts.to_json())  # readers see the whole file or none
         return facts
     deadline = time.monotonic() + wait_s
     while not path.exists():

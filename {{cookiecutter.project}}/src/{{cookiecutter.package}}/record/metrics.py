@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from .. import PROJECT
 from ..config.logger_probes import LoggerError
 from ..core.exits import Exit
+from ..core.files import write_atomically
 from . import loggers
 
 log = logging.getLogger(__name__)
@@ -202,9 +203,7 @@ def plot_and_log(run_dir: Path) -> None:
 
 def replace(path: Path, text: str) -> None:
     """Write `path` whole: a new file renamed over the old one."""
-    part = path.with_name(f".{path.name}.part")
-    part.write_text(text)
-    os.replace(part, path)
+    write_atomically(path, text)
 
 
 def warn_unreadable(path: Path, numbers: list[int], total: int) -> None:

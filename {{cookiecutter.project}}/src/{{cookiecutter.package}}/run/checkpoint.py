@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,7 +31,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..core import files
 from ..core.exits import Exit
+from ..core.files import PARTIAL, sync_directory
 from ..core.world import World
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
 from . import checkpoint_dcp, oom
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"step_(\d{9})\.(pt|dcp)")
 BEST = "best.pt"  # trainer.keep_best's: not a step_ name, so no resume or keep policy touches it
 BEST_DCP = "best.dcp"  # best.pt's in the DCP format
-PARTIAL = ".partial-"  # prefix of a write in progress; one left behind was killed mid-write
 REQUIRED = {"step", "model", "optimizer", "data"}
 
 
@@ -119,26 +119,8 @@ def step_of(path: Path) -> int:
 
 
 def write_atomically(state: dict[str, Any], path: Path) -> None:
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=PARTIAL, suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            torch.save(state, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
-    sync_directory(path.parent)
-
-
-def sync_directory(path: Path) -> None:
-    """Make a rename in it durable."""
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """The one write of a checkpoint file, durable (core/files.py; tests replace it here)."""
+    files.write_atomically(path, partial(torch.save, state), durable=True, mode=0o600)
 
 
 def is_dcp(path: Path) -> bool:
