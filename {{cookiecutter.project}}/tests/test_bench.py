@@ -15,7 +15,8 @@ from conftest import PACKAGE
 from omegaconf import OmegaConf
 
 from ddp_project import bench
-from ddp_project.config.schema import GptConfig, TokensConfig, TrainConfig
+from ddp_project.config.options import GptConfig, TokensConfig
+from ddp_project.config.schema import TrainConfig
 from ddp_project.core.world import World
 from ddp_project.model import build_model
 

@@ -27,12 +27,12 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
 
     import yaml
 
-    from ddp_project.config import schema as schemas
+    from ddp_project.config import options
 
     config = OmegaConf.to_object(compose_train())
     assert isinstance(config, TrainConfig)
-    assert isinstance(config.model, schemas.MlpConfig) and isinstance(
-        config.data, schemas.PointsConfig
+    assert isinstance(config.model, options.MlpConfig) and isinstance(
+        config.data, options.PointsConfig
     )
     # Where Hydra finds them (pkg://): beside config.py when installed, the project's configs/
     # in an editable install.

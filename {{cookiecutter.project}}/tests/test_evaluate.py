@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from ddp_project import check
 from ddp_project import evaluate as evaluate_module
 from ddp_project.config.error import ConfigError
-from ddp_project.config.schema import HELD_OUT, TrainConfig, register_configs
+from ddp_project.config.options import HELD_OUT
+from ddp_project.config.schema import TrainConfig, register_configs
 from ddp_project.core.world import World
 from ddp_project.data import TokenFile, build_dataset, prepare
 from ddp_project.model import build_model

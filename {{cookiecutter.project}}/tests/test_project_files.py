@@ -207,9 +207,10 @@ def test_values_live_in_the_yaml_and_the_schemas_hold_none():
     from omegaconf import MISSING
 
     from ddp_project.config import deploy as deploy_config
+    from ddp_project.config import options
     from ddp_project.config import schema as config
 
-    schemas = [config.MlpConfig, config.GptConfig, config.PointsConfig, config.TokensConfig,
+    schemas = [options.MlpConfig, options.GptConfig, options.PointsConfig, options.TokensConfig,
                config.TrainerConfig, config.DistConfig, deploy_config.DeployConfig, config.TrainConfig]  # fmt: skip
     for schema in schemas:
         for field in dataclasses.fields(schema):

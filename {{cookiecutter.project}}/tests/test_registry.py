@@ -22,17 +22,11 @@ from torch.utils.data import TensorDataset
 
 import ddp_project.data  # noqa: F401  (the options' builders, as train imports them)
 from ddp_project import evaluate
-from ddp_project.config import registry, validate
-from ddp_project.config import schema as config
+from ddp_project.config import options, registry, validate
 from ddp_project.config.compose import compose_and_check
 from ddp_project.config.error import ConfigError, require
-from ddp_project.config.schema import (
-    HELD_OUT,
-    DataConfig,
-    MlpConfig,
-    PointsConfig,
-    register_configs,
-)
+from ddp_project.config.options import HELD_OUT, DataConfig, MlpConfig, PointsConfig
+from ddp_project.config.schema import register_configs
 from ddp_project.core.world import World
 from ddp_project.model import build_model
 from ddp_project.run import checkpoint, rundir
@@ -290,7 +284,7 @@ def here(offset: int = 1) -> str:
 def test_a_schema_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
     """A decorator copied with only its name changed: ConfigStore would have kept the copy
     under mlp_schema, and model=mlp trained the copy's class."""
-    mlp = line_of(config, '@option("model", "mlp"')
+    mlp = line_of(options, '@option("model", "mlp"')
     at = here()
     copied = registry.option("model", "resmlp", "a residual MLP", stored_as="mlp_schema")
     with pytest.raises(SystemExit) as stop:
@@ -305,7 +299,7 @@ def test_a_schema_name_taken_in_its_group_is_refused_naming_both_places(own_regi
 
 
 def test_an_option_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
-    mlp = line_of(config, '@option("model", "mlp"')
+    mlp = line_of(options, '@option("model", "mlp"')
     at = here()
     again = registry.option("model", "mlp", "a residual MLP", stored_as="resmlp_schema")
     with pytest.raises(SystemExit) as stop:
@@ -357,8 +351,8 @@ def test_a_schema_name_is_its_own_across_groups_and_beside_the_primary_config(
 
 
 def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
-    """A module that registers model=mlp before config.py does: `python -m <package>.check`
-    ends at its import of config.py, with one line and exit 2, no traceback."""
+    """A module that registers model=mlp before config/options.py does: `python -m <package>.check`
+    ends at its import of config/options.py, with one line and exit 2, no traceback."""
     (tmp_path / "mine.py").write_text(
         "from dataclasses import dataclass\n\nfrom ddp_project.config.registry import option\n\n\n"
         "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
@@ -370,7 +364,7 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
-    mlp = line_of(config, '@option("model", "mlp"')
+    mlp = line_of(options, '@option("model", "mlp"')
     assert done.stderr == (
         f"config error: model=mlp: registered twice, by MlpConfig at {mlp} and by MyMlpConfig at "
         f"{tmp_path / 'mine.py'}:6; an option's name is its YAML's (configs/model/<name>.yaml) and "

@@ -255,8 +255,9 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
     cfg = timed(check.compose_and_check(overrides))
     window = cfg.trainer.log_every
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
-    apply_nccl_env(cfg, world, scratch)
-    device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+    cuda = uses_cuda(cfg.dist.backend)
+    apply_nccl_env(cfg, world, scratch, cuda)
+    device = process_group.select_device(cuda, world)
     with process_group.initialized(
         world, device, timeout_s=cfg.dist.timeout_s, destroy_on_error=False
     ):
@@ -290,7 +291,6 @@ def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: 
         flops = getattr(model, "flops_per_token", None)
         gradients = gradient_allreduce(parameters, device, world) if world.size > 1 else None
         if world.main:
-            cuda = device.type == "cuda"
             gpu = torch.cuda.get_device_name(device) if cuda else None
             result = {
                 "overrides": overrides,

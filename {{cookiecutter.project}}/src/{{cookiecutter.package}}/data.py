@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from .config.options import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from .config.registry import builder_of, builds
-from .config.schema import HELD_OUT, DataConfig, PointsConfig, TokensConfig
 from .core.exits import Exit
 from .core.files import write_atomically
 

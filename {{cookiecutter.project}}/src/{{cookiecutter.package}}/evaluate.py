@@ -28,8 +28,9 @@ from torch.utils.data import Dataset
 
 from . import PACKAGE
 from .config.error import ConfigError, require
+from .config.marks import EVALUATE_SETS
 from .config.registry import stored_groups
-from .config.schema import EVALUATE_SETS, TrainConfig, marked_keys, uses_cuda
+from .config.schema import TrainConfig, marked_keys, uses_cuda
 from .config.validate import from_saved
 from .core.exits import Exit
 from .core.files import write_atomically

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config.options import DataConfig, GptConfig, MlpConfig, PointsConfig, TokensConfig
 from .config.registry import builder_of, builds
-from .config.schema import DataConfig, GptConfig, MlpConfig, PointsConfig, TokensConfig
 
 
 def matmul_parameters(model: nn.Module) -> int:

@@ -146,7 +146,7 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     cache = compilation.keep_caches_in(run_dir) if compiling else None
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
-    decision = apply_nccl_env(cfg, world, run_dir)  # before the group is made
+    decision = apply_nccl_env(cfg, world, run_dir, cuda)  # before the group is made
     timeline.mark(  # over gloo the line names nothing of NCCL's
         ("node probe" if cfg.nccl.auto else "NCCL environment") if cuda else "environment"
     )

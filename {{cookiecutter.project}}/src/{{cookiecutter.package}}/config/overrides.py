@@ -1,5 +1,6 @@
 """train's command line before Hydra reads it: NCCL's comma lists and the deploy maps rewritten
-as Hydra must read them, and every configs/ file checked to be YAML Hydra can use."""
+as Hydra must read them, and every configs/ file checked to be YAML Hydra can use. dotted: a
+config's keys as the command line names them (trainer.lr), for rundir's resume check and MLflow."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import time
 from importlib.resources import files
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .. import PACKAGE
 from ..core.exits import Exit
@@ -167,3 +168,14 @@ def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
     else:
         time.sleep(grace_s)
     sys.exit(Exit.CONFIG_ERROR)
+
+
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by dotted key, as overrides name them: trainer.lr."""
+    leaves: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            leaves |= dotted(value, f"{prefix}{key}.")
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves

@@ -1,4 +1,5 @@
-"""Typed schema of every config group, and the checks that run before anything starts.
+"""Typed schema of every config group, and the checks that run before anything starts; the
+model and data options' schemas are in options.py, the marks on fields in marks.py.
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
 fails at compose time, naming the key. Checks that types cannot express live in __post_init__, and
@@ -11,20 +12,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from .. import PACKAGE
 from ..core.world import rank_zero_only, run_name
 from ..nccl import decision as nccl
 from .deploy import DeployConfig
 from .error import ConfigError, require
 from .loggers import LoggersConfig
-from .registry import option, stored_options
-from .token_files import TOKEN_BYTES, largest_token
+from .marks import EVALUATE_SETS, FREE_ON_RESUME
+from .options import DataConfig
+from .registry import stored_options
 
 
 class Backend(Enum):
@@ -42,169 +42,6 @@ class NcclDebug(Enum):
 
 # Values live in configs/ (one YAML file per option, each key commented); these classes give
 # their types and checks. MISSING: a value the YAML must give.
-
-
-# Marks on schema fields (their metadata) that rundir and evaluate read through marked_keys().
-# FREE_ON_RESUME: how a run goes, not what it computes, so a resume may change it.
-# EVALUATE_SETS: evaluate may set it; the checkpoint's config decides the rest.
-FREE_ON_RESUME = {"free_on_resume": True}
-EVALUATE_SETS = {"evaluate_sets": True}
-
-
-@dataclass
-class DataConfig:
-    """What every data option has: how many samples, and how they reach the GPU."""
-
-    num_samples: int = MISSING
-    batch_size: int = field(default=MISSING, metadata=EVALUATE_SETS)
-    num_workers: int = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
-    pin_memory: bool = field(default=MISSING, metadata=FREE_ON_RESUME | EVALUATE_SETS)
-    on_device: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
-
-    def __post_init__(self) -> None:
-        require(self.num_samples >= 1, "data.num_samples", self.num_samples, "must be at least 1")
-        require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be at least 1")
-        require(
-            0 <= self.num_workers <= 64, "data.num_workers", self.num_workers, "must be 0 to 64"
-        )
-        require(
-            not (self.on_device and self.num_workers > 0),
-            "data.num_workers",
-            self.num_workers,
-            "must be 0 with data.on_device=true (the batches are cut on the GPU)",
-        )
-
-    def training_samples(self) -> tuple[int, str]:
-        """Samples training draws from, and the key that says how many."""
-        return self.num_samples, f"data.num_samples={self.num_samples}"
-
-    def held_out_samples(self) -> tuple[int, str]:
-        """Samples evaluation reads (data.build_dataset(held_out=True)), and the key that says
-        how many."""
-        return self.num_samples // HELD_OUT, f"data.num_samples={self.num_samples}"
-
-
-@option("data", "synthetic", "labelled points", stored_as="points_schema")
-@dataclass
-class PointsConfig(DataConfig):
-    """configs/data/synthetic.yaml: labelled points from a fixed random teacher."""
-
-    num_features: int = MISSING
-    num_classes: int = MISSING
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(
-            self.num_features >= 1, "data.num_features", self.num_features, "must be at least 1"
-        )
-        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "must be at least 2")
-
-
-@option("data", "tokens", "token sequences", stored_as="tokens_schema")
-@dataclass
-class TokensConfig(DataConfig):
-    """configs/data/tokens.yaml: token sequences for next-token prediction."""
-
-    seq_len: int = MISSING
-    vocab_size: int = MISSING
-    path: Optional[str] = MISSING
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
-        require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
-        if self.path is not None:
-            problem = token_file_problem(self)
-            if problem:
-                raise ConfigError(f"data.path={self.path}: {problem}")
-
-    def training_samples(self) -> tuple[int, str]:
-        if self.path is None:
-            return super().training_samples()
-        sequences = file_sequences(self)
-        return sequences - max(1, sequences // HELD_OUT), f"data.path={self.path}"
-
-    def held_out_samples(self) -> tuple[int, str]:
-        if self.path is None:
-            return super().held_out_samples()
-        return max(1, file_sequences(self) // HELD_OUT), f"data.path={self.path}"
-
-
-@option("model", "mlp", "an MLP", stored_as="mlp_schema", reads=PointsConfig)
-@dataclass
-class MlpConfig:
-    """configs/model/mlp.yaml: an MLP classifier over data=synthetic's points."""
-
-    hidden_dim: int = MISSING
-    depth: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(self.hidden_dim >= 1, "model.hidden_dim", self.hidden_dim, "must be at least 1")
-        require(self.depth >= 1, "model.depth", self.depth, "must be at least 1")
-
-
-@option("model", "gpt", "a GPT", stored_as="gpt_schema", reads=TokensConfig)
-@dataclass
-class GptConfig:
-    """configs/model/gpt.yaml: a decoder-only transformer over data=tokens."""
-
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    d_model: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(self.n_layer >= 1, "model.n_layer", self.n_layer, "must be at least 1")
-        require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
-        require(
-            self.d_model >= 1 and self.d_model % self.n_head == 0,
-            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
-        )  # fmt: skip
-
-
-HELD_OUT = 10  # one part in this many is held out for evaluation
-
-
-def token_file_problem(data: TokensConfig) -> str | None:
-    """Why data.path is no token file for this config, or None. Checked when the config is, so
-    that a bad file is one line before any process starts, not an error at the first batch."""
-    make = f"make one with python -m {PACKAGE}.data TEXT OUT"
-    if not data.path:
-        return "an empty path; give a token file, or null for synthetic tokens"
-    path = Path(data.path)
-    try:
-        size = path.stat().st_size
-        if path.is_dir():
-            return f"a directory, not a token file; {make}"
-        if not path.is_file():  # a FIFO or a device: opening one may wait forever
-            return f"not a regular file; {make}"
-        with path.open("rb"):
-            pass
-    except FileNotFoundError:
-        return f"no such file here ({Path.cwd()}); {make}"
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
-    if size % TOKEN_BYTES:
-        return f"holds {size} bytes, an odd count: not a file of 2-byte (uint16) tokens; {make}"
-    sequences = file_sequences(data)
-    if sequences < 2:
-        return (
-            f"holds {sequences} sequence(s) of data.seq_len={data.seq_len} tokens "
-            f"({size // TOKEN_BYTES} tokens); need at least 2"
-        )
-    top, at = largest_token(path)
-    if top >= data.vocab_size:
-        return (
-            f"holds token id {top} (token {at} of the file), not below data.vocab_size="
-            f"{data.vocab_size}; raise data.vocab_size to {top + 1}, or check that the file "
-            f"holds uint16 tokens ({make})"
-        )
-    return None
-
-
-def file_sequences(data: TokensConfig) -> int:
-    """How many sequences of seq_len + 1 tokens (consecutive ones share a token) the file holds."""
-    tokens = Path(data.path).stat().st_size // TOKEN_BYTES
-    return max(0, tokens - 1) // data.seq_len
 
 
 class Precision(Enum):
@@ -414,17 +251,6 @@ def marked_keys(mark: dict[str, bool]) -> tuple[str, ...]:
         if schema:
             keys += [f"{group.name}.{f.name}" for f in fields(schema) if f.metadata.get(name)]
     return tuple(keys)
-
-
-def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested dict's leaves by dotted key, as overrides name them: trainer.lr."""
-    leaves: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            leaves |= dotted(value, f"{prefix}{key}.")
-        else:
-            leaves[f"{prefix}{key}"] = value
-    return leaves
 
 
 def uses_cuda(backend: Backend) -> bool:

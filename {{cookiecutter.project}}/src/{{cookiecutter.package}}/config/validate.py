@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..core.world import World
 from .error import ConfigError, did_you_mean, require
+from .options import HELD_OUT
 from .registry import (
     Option,
     fitting,
@@ -24,7 +25,7 @@ from .registry import (
     stored_groups,
     stored_options,
 )
-from .schema import HELD_OUT, NcclConfig, TrainConfig, uses_cuda
+from .schema import NcclConfig, TrainConfig, uses_cuda
 
 
 def check_devices(config: TrainConfig, world: World) -> None:

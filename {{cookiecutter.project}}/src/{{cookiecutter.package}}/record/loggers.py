@@ -31,8 +31,8 @@ from ..config.loggers import (
     TensorBoardConfig,
     WandbConfig,
 )
+from ..config.overrides import dotted
 from ..config.registry import builder_of, builds
-from ..config.schema import dotted
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from ..config.schema import DataConfig
+from ..config.options import DataConfig
 from ..core.world import World
 
 

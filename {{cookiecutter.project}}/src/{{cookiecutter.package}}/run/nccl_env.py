@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config.overrides import exit_with_error
-from ..config.schema import TrainConfig, uses_cuda
+from ..config.schema import TrainConfig
 from ..core.world import World
 from ..nccl import decision as nccl
 from ..nccl import probe
@@ -16,8 +16,9 @@ from ..nccl import probe
 log = logging.getLogger(__name__)
 
 
-def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path) -> nccl.Decision:
-    """NCCL reads its variables once, when the first communicator is made: write them first."""
+def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path, cuda: bool) -> nccl.Decision:
+    """NCCL reads its variables once, when the first communicator is made: write them first.
+    cuda: the caller's uses_cuda(cfg.dist.backend), asked once."""
     facts = (
         probe.shared_node_facts(run_dir, world.local_rank) if cfg.nccl.auto else probe.basic_facts()
     )
@@ -25,7 +26,6 @@ def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path) -> nccl.Decisi
     recorder = nccl.flight_recorder_env(str(run_dir / "nccl" / "trace_rank_"), torch.__version__)
     explicit = nccl.explicit_settings(cfg.dist.async_error_handling)
     decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
-    cuda = uses_cuda(cfg.dist.backend)
     shm_problem = nccl.shm_error(facts, decision.env) if cuda else None
     if shm_problem:
         exit_with_error(shm_problem)

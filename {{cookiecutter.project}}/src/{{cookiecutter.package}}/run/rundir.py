@@ -28,9 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 from ..config.error import ConfigError
 from ..config.global_batch import KEYS as GLOBAL_BATCH_KEYS
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
-from ..config.overrides import exit_with_error
+from ..config.marks import FREE_ON_RESUME
+from ..config.overrides import dotted, exit_with_error
 from ..config.registry import chosen, fitting
-from ..config.schema import FREE_ON_RESUME, TrainConfig, dotted, marked_keys
+from ..config.schema import TrainConfig, marked_keys
 from ..config.validate import check_composed, unrecorded
 from ..core.world import World
 from . import checkpoint

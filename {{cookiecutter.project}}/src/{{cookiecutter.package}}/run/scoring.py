@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from ..config.schema import DataConfig
+from ..config.options import DataConfig
 from ..core.world import World
 from .batches import epoch_batches, ignore_sigterm
 
