@@ -198,7 +198,9 @@ def test_a_planted_break_is_named(planted, module, line, said):
 def test_an_exception_the_code_no_longer_needs_is_named(planted):
     path = planted / "k8s" / "doctor.py"
     path.write_text(
-        path.read_text(encoding="utf-8").replace("from ..config import compose as check", "check = None")
+        path.read_text(encoding="utf-8").replace(
+            "from ..config import compose as check", "check = None"
+        )
     )
     assert problems(planted) == [
         "k8s.doctor no longer imports config.compose: take it off ALLOWED_UPWARD"

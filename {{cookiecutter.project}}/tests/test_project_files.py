@@ -250,7 +250,10 @@ def test_the_readmes_layout_names_every_module():
         found = re.match(r"  (\w+)/ ", line + " ")
         if found:
             folder = "" if found[1] == "k8s" else found[1] + "/"
-        named |= {(folder if line.startswith("    ") else "") + name for name in re.findall(r"\b\w+\.py\b", line)}
+        named |= {
+            (folder if line.startswith("    ") else "") + name
+            for name in re.findall(r"\b\w+\.py\b", line)
+        }
     named -= {name for name in named if name.startswith("k8s/")}
     assert modules - named == set(), "add them to docs/layout.md"
     assert named - modules == set(), "the Layout names modules that are gone"

@@ -74,6 +74,7 @@ GPU_SIZES_MIB = [1, 64, 1024]
 CPU_SIZES_MIB = [1, 64]
 ALLREDUCE_LINE = re.compile(r"^ALLREDUCE (\{.*\})$", re.MULTILINE)
 
+
 @dataclass
 class ProfileResult:
     profile: str

@@ -1,5 +1,5 @@
-"""The models: an MLP classifier and a GPT-style decoder. Add your own beside them (the README's
-"Adding a model, a dataset or a logger"): the trainer needs only an nn.Module whose output's last
+"""The models: an MLP classifier and a GPT-style decoder. Add your own beside them
+(docs/extending.md gives each edit): the trainer needs only an nn.Module whose output's last
 dimension holds the class (or next-token) logits, registered with @builds(its schema); a
 flops_per_token() method gives its MFU."""
 

@@ -13,7 +13,7 @@ from enum import IntEnum
 
 
 class Exit(IntEnum):
-    """(code, fails_job, meaning): the meaning is the README's and the Job's reading of it."""
+    """(code, fails_job, meaning): the meaning is docs/exit-codes.md's and the Job's reading of it."""
 
     fails_job: bool
     meaning: str

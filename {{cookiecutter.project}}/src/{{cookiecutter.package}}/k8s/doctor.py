@@ -128,7 +128,6 @@ def as_yaml(found: list[dict]) -> str:
     return "---\n".join(yaml.dump(o, Dumper=Dumper, sort_keys=False, width=100) for o in found)
 
 
-
 def pods_of(namespace: str, name: str) -> list[dict]:
     listed = kubectl("get", "pods", "-n", namespace, "-l", f"job-name={name}", "-o", "json")
     return json.loads(listed)["items"] if listed.strip() else []

@@ -52,6 +52,8 @@ TAGS = {
     "val_time_s": "perf/val_time_s",
     "checkpoint_s": "perf/checkpoint_s",
 }
+
+
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row as tagged scalars; the columns left empty (not measured) are left out."""
     return {tag: row[key] for key, tag in TAGS.items() if row[key] is not None}
