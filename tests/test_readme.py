@@ -663,7 +663,7 @@ def plan(found, default_project, installed_default, tmp_path_factory) -> Plan:
             if key and re.search(rf"^{key.group(1)}:.*$", text, re.MULTILINE):
                 text = re.sub(rf"^{key.group(1)}:.*$", line, text, count=1, flags=re.MULTILINE)
         target.write_text(text or item.text)
-        plan.add(item, f"{target.relative_to(yaml_copy)}: composed", module=f"{plan.package}.check",
+        plan.add(item, f"{target.relative_to(yaml_copy)}: composed", module=f"{plan.package}.config.compose",
                  argv=[], how="check-folder", cwd=str(yaml_copy))  # fmt: skip
         plan.add(item, f"{target.relative_to(yaml_copy)}: rendered", module=f"{plan.package}.k8s", argv=[],
                  how="run", cwd=str(yaml_copy))  # fmt: skip

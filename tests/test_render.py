@@ -428,7 +428,7 @@ def test_the_answers_offer_what_the_package_has():
 
 def test_every_flavor_is_prompted_documented_and_rendered():
     """What cannot import FLAVORS names each flavor in it, and no other: the prompt's help, the
-    READMEs (the project's opening line and its "Which to pick" table, the template's answer
+    READMEs (the project's opening line, docs/kubernetes.md's "Which to pick" table, the template's answer
     table), the deploy group's comment, and the renders of this matrix, one and several nodes."""
     table = flavor_table()
     prompts = json.loads((TEMPLATE / "cookiecutter.json").read_text())["__prompts__"]["k8s_flavor"]
@@ -436,7 +436,8 @@ def test_every_flavor_is_prompted_documented_and_rendered():
     readme = (PROJECT_SOURCES / "README.md").read_text()
     (opening,) = re.findall(r"\{\{ (\{.*\})\[cookiecutter\.k8s_flavor\] \}\}", readme)
     assert list(ast.literal_eval(opening)) == table
-    pick = readme[readme.index("| flavor | needs | pick it when |"):].split("\n\n")[0]
+    kubernetes = (PROJECT_SOURCES / "docs" / "kubernetes.md").read_text()
+    pick = kubernetes[kubernetes.index("| flavor | needs | pick it when |") :].split("\n\n")[0]
     assert re.findall(r"^\| `([^`]+)` \|", pick, re.MULTILINE) == table
     answers = next(line for line in (TEMPLATE / "README.md").read_text().splitlines()
                    if line.startswith("| `k8s_flavor` |"))  # fmt: skip
@@ -917,7 +918,6 @@ def test_every_link_in_the_readme_and_docs_pages_reaches_a_file_and_heading(defa
                 continue  # the web: not checked offline
             path, _, anchor = target.partition("#")
             linked = (page.parent / path).resolve() if path else page
-            name = str(linked.relative_to(default_project)) if linked.is_relative_to(default_project) else str(linked)
             checked += 1
             if not linked.is_file():
                 dead.append(f"{page.relative_to(default_project)}: {target}: no such file")

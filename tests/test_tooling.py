@@ -59,7 +59,7 @@ def module_name(source: Path) -> str:
 def test_the_package_has_no_import_cycle():
     sources = {module_name(source): source for source in PACKAGE_SOURCES.rglob("*.py")}
     graph = {module: imports_of(module, source, set(sources)) for module, source in sources.items()}
-    assert graph["train"] >= {"config", "trainer", "world"}  # the walk sees relative imports
+    assert graph["train"] >= {"config.validate", "run.trainer", "core.world"}  # relative imports, in wings too
 
     finished: set[str] = set()
 

@@ -13,7 +13,12 @@ from conftest import PACKAGE
 from ddp_project.config import token_files, validate
 from ddp_project.config.compose import compose_and_check, config_problem
 from ddp_project.config.error import ConfigError
-from ddp_project.config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
+from ddp_project.config.global_batch import (
+    GlobalBatch,
+    GlobalBatchChanged,
+    accepted,
+    on_resume,
+)
 from ddp_project.config.validate import check_data
 from ddp_project.core.world import World
 from ddp_project.data import prepare

@@ -25,7 +25,12 @@ from ddp_project import evaluate
 from ddp_project.config import options, registry, validate
 from ddp_project.config.compose import compose_and_check
 from ddp_project.config.error import ConfigError, require
-from ddp_project.config.options import HELD_OUT, DataConfig, MlpConfig, PointsConfig
+from ddp_project.config.options import (
+    HELD_OUT,
+    DataConfig,
+    MlpConfig,
+    PointsConfig,
+)
 from ddp_project.config.schema import register_configs
 from ddp_project.core.world import World
 from ddp_project.model import build_model
