@@ -329,31 +329,33 @@ def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy)
     assert describe(failure.value).startswith("nccl.profile=socket: must be mine, the name of")
 
 
-def test_a_profile_file_of_ones_own_without_its_name_is_named_by_its_file(configs_copy):
-    """A profile written before nccl.profile existed, or without the line: the file's name."""
-    from ddp_project.config.compose import compose_and_check
-
+@pytest.fixture
+def unnamed_profile(configs_copy):
+    """configs/nccl/mine.yaml: socket's profile without its `profile:` line, as one written before
+    nccl.profile existed."""
     nccl = configs_copy / "nccl"
     mine = "".join(
         line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
         if not line.startswith("profile:")
     )  # fmt: skip
     (nccl / "mine.yaml").write_text(mine)
+
+
+def test_a_profile_file_of_ones_own_without_its_name_is_named_by_its_file(
+    configs_copy, unnamed_profile
+):
+    """A profile written before nccl.profile existed, or without the line: the file's name."""
+    from ddp_project.config.compose import compose_and_check
+
     assert compose_and_check(["nccl=mine"], configs_copy, this_node=False).nccl.profile == "mine"
 
 
-def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy):
+def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy, unnamed_profile):
     """Hydra hands train's task function the config without its hydra node; main says which
     profile nccl=<name> chose, so a profile file of one's own without `profile:` is still named."""
     from ddp_project.config.compose import compose_train
     from ddp_project.config.validate import check_composed
 
-    nccl = configs_copy / "nccl"
-    mine = "".join(
-        line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
-        if not line.startswith("profile:")
-    )  # fmt: skip
-    (nccl / "mine.yaml").write_text(mine)
     composed = compose_train(["nccl=mine"], configs_copy)
     with open_dict(composed):
         composed.pop("hydra")  # as Hydra hands the task function its config

@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .. import PACKAGE
+from ..core.suggest import did_you_mean
 from . import logger_probes
-from .error import ConfigError, did_you_mean
+from .error import ConfigError
 from .loggers import LoggersConfig
 from .overrides import configs_folder, exit_with_error, hydra_overrides, yaml_problem
 from .registry import stored_options

@@ -1,13 +1,12 @@
 """ConfigError, the one error a bad config value raises, naming the key; every schema module and
-check raises it, and every command ends on it with Exit.CONFIG_ERROR. did_you_mean: the hint its
-message gives on a typo."""
+check raises it, and every command ends on it with Exit.CONFIG_ERROR. A message's hint on a typo
+is core.suggest.did_you_mean."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..core.exits import Exit
-from ..core.suggest import did_you_mean  # noqa: F401  (the config's messages use it from here)
 
 
 class ConfigError(ValueError):

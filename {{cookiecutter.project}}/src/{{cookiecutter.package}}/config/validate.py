@@ -12,8 +12,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ..core.suggest import did_you_mean
 from ..core.world import World
-from .error import ConfigError, did_you_mean, require
+from .error import ConfigError, require
 from .options import HELD_OUT
 from .registry import (
     Option,
