@@ -331,8 +331,8 @@ def test_a_profile_name_other_than_the_chosen_profiles_is_one_line(configs_copy)
 
 @pytest.fixture
 def unnamed_profile(configs_copy):
-    """configs/nccl/mine.yaml: socket's profile without its `profile:` line, as one written before
-    nccl.profile existed."""
+    """A profile of one's own, `mine`: socket's profile without its `profile:` line, as one
+    written before nccl.profile existed."""
     nccl = configs_copy / "nccl"
     mine = "".join(
         line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
