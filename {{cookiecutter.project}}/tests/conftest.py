@@ -174,8 +174,17 @@ def compose_train():
 
 def train_command(*overrides: str, nproc: int = 2) -> list[str]:
     """`torchrun --standalone --nproc-per-node N -m <package>.train <overrides>`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        f"{PACKAGE}.train",
+        *overrides,
+    ]
 
 
 def launch_command(*args: str) -> list[str]:
@@ -191,9 +200,13 @@ def users_env() -> dict[str, str]:
 
 def launch(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        launch_command(*args), cwd=cwd, env=users_env(), capture_output=True, text=True,
+        launch_command(*args),
+        cwd=cwd,
+        env=users_env(),
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
 
 
 @functools.cache
@@ -215,9 +228,13 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Train in `cwd` and wait for it to end."""
     return subprocess.run(
-        train_command(*overrides, nproc=nproc), cwd=cwd, env={**os.environ, **(env or {})},
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        train_command(*overrides, nproc=nproc),
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wait_for_metrics(launcher: subprocess.Popen, run_dir: Path, timeout_s: float = 180) -> None:
@@ -258,12 +275,22 @@ def hang_one_rank(
     Returns (exit code, output, seconds from the stop to the exit).
     """
     run_dir = cwd / "hung-run"
-    command = train_command("trainer.max_steps=100000000", "trainer.log_every=5",
-                            f"dist.timeout_s={timeout_s}", f"hydra.run.dir={run_dir}", *overrides)  # fmt: skip
+    command = train_command(
+        "trainer.max_steps=100000000",
+        "trainer.log_every=5",
+        f"dist.timeout_s={timeout_s}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    )
     launcher = subprocess.Popen(
-        command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     workers = []
     try:
         wait_for_metrics(launcher, run_dir)

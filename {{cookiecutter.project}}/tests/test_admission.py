@@ -71,8 +71,11 @@ def test_every_flavor_and_node_count_renders_pods_their_controller_admits_or_one
     flavor, nodes
 ):
     deploy = deploy_defaults() | {
-        "name": LONGEST_NAME, "flavor": flavor, "nodes": nodes, "runs_access_mode": "ReadWriteMany",
-    }  # fmt: skip
+        "name": LONGEST_NAME,
+        "flavor": flavor,
+        "nodes": nodes,
+        "runs_access_mode": "ReadWriteMany",
+    }
     if flavor == "trainjob":
         deploy |= {"rdzv_port": 29500, "image_pull_policy": "IfNotPresent", "priority_class": None}
     errors = deploy_errors(deploy)

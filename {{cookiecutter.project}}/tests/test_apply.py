@@ -17,8 +17,11 @@ NAME, NAMESPACE = "p", "ns"
 
 
 def job(name: str = NAME, labels: dict | None = None, **metadata) -> dict:
-    pod = {"terminationGracePeriodSeconds": 90, "containers": [{"name": "trainer", "image": "i:1"}],
-           "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs-rwo"}}]}  # fmt: skip
+    pod = {
+        "terminationGracePeriodSeconds": 90,
+        "containers": [{"name": "trainer", "image": "i:1"}],
+        "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs-rwo"}}],
+    }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -64,13 +67,21 @@ class Fake:
                 args[1]
             ]
             if "-A" in args and self.forbid_all:
-                raise apply.Refused('Error from server (Forbidden): jobs.batch is forbidden: User "u" '
-                                    'cannot list resource "jobs" in API group "batch" at the cluster scope')  # fmt: skip
+                raise apply.Refused(
+                    'Error from server (Forbidden): jobs.batch is forbidden: User "u" '
+                    'cannot list resource "jobs" in API group "batch" at the cluster scope'
+                )
             namespace = args[args.index("-n") + 1] if "-n" in args else None
-            return json.dumps({"items": [
-                i for i in self.there
-                if i["kind"] == kind and namespace in (None, i["metadata"].get("namespace", NAMESPACE))
-            ]})  # fmt: skip
+            return json.dumps(
+                {
+                    "items": [
+                        i
+                        for i in self.there
+                        if i["kind"] == kind
+                        and namespace in (None, i["metadata"].get("namespace", NAMESPACE))
+                    ]
+                }
+            )
         return ""
 
     def verbs(self) -> list[str]:
@@ -91,15 +102,60 @@ def test_the_dry_run_is_the_real_applys_and_each_workloads_pods_are_checked_as_a
         "create",
     ]  # kubectl apply, as the real step sends it
     # The trainjob's pod: the runtime patch's spec with the trainer's fields, without its account.
-    trainjob = {"kind": "TrainJob", "spec": {
-        "trainer": {"image": "i:2", "command": ["c"], "args": ["a"], "env": [], "resourcesPerNode": {"limits": {}}},
-        "runtimePatches": [{"trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{"template": {"spec": {
-            "template": {"metadata": {"labels": {"x": "y"}}, "spec": {
-                "serviceAccountName": NAME, "containers": [{"name": "node", "securityContext": {}}]}}}}}]}}}}]}}  # fmt: skip
+    trainjob = {
+        "kind": "TrainJob",
+        "spec": {
+            "trainer": {
+                "image": "i:2",
+                "command": ["c"],
+                "args": ["a"],
+                "env": [],
+                "resourcesPerNode": {"limits": {}},
+            },
+            "runtimePatches": [
+                {
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "spec": {
+                                "replicatedJobs": [
+                                    {
+                                        "template": {
+                                            "spec": {
+                                                "template": {
+                                                    "metadata": {"labels": {"x": "y"}},
+                                                    "spec": {
+                                                        "serviceAccountName": NAME,
+                                                        "containers": [
+                                                            {"name": "node", "securityContext": {}}
+                                                        ],
+                                                    },
+                                                }
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        }
+                    }
+                }
+            ],
+        },
+    }
     template = apply.pod_template(trainjob)
     assert template["metadata"] == {"labels": {"x": "y"}}
-    assert template["spec"] == {"containers": [{"name": "node", "securityContext": {}, "image": "i:2",
-                                                "command": ["c"], "args": ["a"], "env": [], "resources": {"limits": {}}}]}  # fmt: skip
+    assert template["spec"] == {
+        "containers": [
+            {
+                "name": "node",
+                "securityContext": {},
+                "image": "i:2",
+                "command": ["c"],
+                "args": ["a"],
+                "env": [],
+                "resources": {"limits": {}},
+            }
+        ]
+    }
 
 
 def test_a_workload_and_its_pods_go_through_the_one_dry_run_each_with_its_verb_and_line(
@@ -160,8 +216,18 @@ def test_the_error_line_is_the_servers_cause_not_kubectls_dump_after_it():
 
 def test_only_what_carries_all_the_projects_labels_is_deleted(folder, monkeypatch, capsys):
     only_name = {meta.NAME_LABEL: NAME}
-    theirs = [job(f"{NAME}-eval", labels=only_name | {meta.COMPONENT_LABEL: "eval"}),
-              {"kind": "Service", "metadata": {"name": f"{NAME}-tensorboard", "labels": only_name | {meta.COMPONENT_LABEL: "training"} | {meta.NAME_LABEL: "other"}}}]  # fmt: skip
+    theirs = [
+        job(f"{NAME}-eval", labels=only_name | {meta.COMPONENT_LABEL: "eval"}),
+        {
+            "kind": "Service",
+            "metadata": {
+                "name": f"{NAME}-tensorboard",
+                "labels": only_name
+                | {meta.COMPONENT_LABEL: "training"}
+                | {meta.NAME_LABEL: "other"},
+            },
+        },
+    ]
     mine = [job(), {"kind": "Service", "metadata": {"name": NAME, "labels": meta.labels(NAME)}}]
     fake = Fake(theirs + mine)
     monkeypatch.setattr(apply, "kubectl", fake)
@@ -223,9 +289,11 @@ def test_where_every_namespace_cannot_be_listed_the_jobs_own_is_and_the_note_say
     monkeypatch.setattr(apply, "kubectl", Fake([], forbid_all=True))
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
-    assert (f"other namespaces could not be listed; a job of an earlier deploy.namespace keeps running: "
-            f"kubectl get jobs.batch,jobsets.jobset.x-k8s.io,pytorchjobs.kubeflow.org,trainjobs.trainer.kubeflow.org "
-            f"-A -l {meta.PART_OF_LABEL}={PROJECT},{meta.COMPONENT_LABEL}=training lists them") in out, out  # fmt: skip
+    assert (
+        f"other namespaces could not be listed; a job of an earlier deploy.namespace keeps running: "
+        f"kubectl get jobs.batch,jobsets.jobset.x-k8s.io,pytorchjobs.kubeflow.org,trainjobs.trainer.kubeflow.org "
+        f"-A -l {meta.PART_OF_LABEL}={PROJECT},{meta.COMPONENT_LABEL}=training lists them"
+    ) in out, out
 
 
 def test_an_unchanged_k8s_restarts_nothing(folder, monkeypatch, capsys):

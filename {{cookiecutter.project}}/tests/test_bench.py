@@ -21,12 +21,22 @@ from ddp_project.core.world import World
 from ddp_project.model import build_model
 
 
-def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, monkeypatch,
-                                                                     bench_main):  # fmt: skip
+def test_bench_pairs_template_and_reference_and_leaves_only_its_json(
+    tmp_path, monkeypatch, bench_main
+):
     """The command in this process; its launch, torchrun's 2 gloo workers, for real."""
     monkeypatch.chdir(tmp_path)
-    code, out, err = bench_main("--pairs", "2", "--warmup", "10", "--steps", "10", "--json",
-                                "b.json", run_workers=bench.run_workers)  # fmt: skip
+    code, out, err = bench_main(
+        "--pairs",
+        "2",
+        "--warmup",
+        "10",
+        "--steps",
+        "10",
+        "--json",
+        "b.json",
+        run_workers=bench.run_workers,
+    )
     assert code == 0, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.json"]
     report = json.loads((tmp_path / "b.json").read_text())
@@ -58,8 +68,12 @@ def test_bench_pairs_template_and_reference_and_leaves_only_its_json(tmp_path, m
 
 
 def test_goodput_spreads_each_cost_over_the_steps_between_and_leaves_out_what_is_off():
-    cadence = {"every_steps": {"checkpoint": 500, "validation": 100}, "checkpoint_s": 0.5,
-               "validation_s": 0.2, "between_steps": 100}  # fmt: skip
+    cadence = {
+        "every_steps": {"checkpoint": 500, "validation": 100},
+        "checkpoint_s": 0.5,
+        "validation_s": 0.2,
+        "between_steps": 100,
+    }
     # 0.1 s steps: 0.001 s of checkpoint and 0.002 s of validation per step
     assert bench.steady_goodput(cadence, 100.0) == round(0.1 / 0.103, 4)
     cadence["every_steps"]["validation"] = 0
@@ -86,24 +100,39 @@ def test_both_loops_are_timed_over_the_log_windows_of_a_run_at_most_50_steps(com
 
 
 def times(template_1, reference_1, template_2, reference_2):
-    return {"1": {"template": template_1, "reference": reference_1},
-            "2": {"template": template_2, "reference": reference_2}}  # fmt: skip
+    return {
+        "1": {"template": template_1, "reference": reference_1},
+        "2": {"template": template_2, "reference": reference_2},
+    }
 
 
 def result(step_ms, allreduce_ms=1.0, flops_per_token=None, peak_flops=None):
-    return {"processes": 2, "step_ms": step_ms, "gradient_allreduce": {"time_ms": allreduce_ms},
-            "batch_per_process": 4, "tokens_per_sample": 250,
-            "flops_per_token": flops_per_token, "peak_flops": peak_flops}  # fmt: skip
+    return {
+        "processes": 2,
+        "step_ms": step_ms,
+        "gradient_allreduce": {"time_ms": allreduce_ms},
+        "batch_per_process": 4,
+        "tokens_per_sample": 250,
+        "flops_per_token": flops_per_token,
+        "peak_flops": peak_flops,
+    }
 
 
 def test_figures_are_ratios_within_each_pair():
     # The machine slows down by half in the second pair: the ratios stay what they were.
     report = bench.figures(result(times([10.0, 15.0], [10.0, 15.0], [12.0, 18.0], [11.0, 16.5])))
     assert report["template_over_reference"]["1"] == {"median": 1.0, "min": 1.0, "max": 1.0}
-    assert report["template_over_reference"]["2"] == {"median": pytest.approx(12 / 11, abs=1e-4),
-                                                      "min": 1.0909, "max": 1.0909}  # fmt: skip
-    uneven = bench.figures(result(times([10.0, 10.0, 10.0], [10.0, 8.0, 5.0], [20.0, 30.0, 70.0],
-                                        [20.0, 20.0, 20.0]), allreduce_ms=25.0))  # fmt: skip
+    assert report["template_over_reference"]["2"] == {
+        "median": pytest.approx(12 / 11, abs=1e-4),
+        "min": 1.0909,
+        "max": 1.0909,
+    }
+    uneven = bench.figures(
+        result(
+            times([10.0, 10.0, 10.0], [10.0, 8.0, 5.0], [20.0, 30.0, 70.0], [20.0, 20.0, 20.0]),
+            allreduce_ms=25.0,
+        )
+    )
     assert uneven["template_over_reference"]["1"] == {"median": 1.25, "min": 1.0, "max": 2.0}
     assert uneven["scaling_efficiency"]["template"] == {"median": 0.3333, "min": 0.1429, "max": 0.5}
     assert uneven["exposed_comm_ms"] == 20.0  # the median of 10, 20 and 60: not their mean, 30
@@ -126,10 +155,20 @@ def test_impossible_figures_are_clamped_and_named_as_noise():
     assert "noise:" in bench.render({**report, **HEADER})
 
 
-HEADER = {"device": "cpu", "torch": "2", "nccl": None, "nccl_profile": None, "parameters": 1e6,
-          "batch_per_process": 8, "precision": "fp32", "pairs": 1, "timed_steps": 10,
-          "warmup_steps": 10, "overrides": [],
-          "gradient_allreduce": {"time_ms": 5.0, "mib": 4, "busbw_gbps": 1.0}}  # fmt: skip
+HEADER = {
+    "device": "cpu",
+    "torch": "2",
+    "nccl": None,
+    "nccl_profile": None,
+    "parameters": 1e6,
+    "batch_per_process": 8,
+    "precision": "fp32",
+    "pairs": 1,
+    "timed_steps": 10,
+    "warmup_steps": 10,
+    "overrides": [],
+    "gradient_allreduce": {"time_ms": 5.0, "mib": 4, "busbw_gbps": 1.0},
+}
 
 
 def test_bench_bad_override_is_one_line_and_writes_nothing(tmp_path, monkeypatch, bench_main):
@@ -195,14 +234,21 @@ def bench_main(monkeypatch, capsys):
         (["--pairs", "abc"], "argument --pairs: must be a whole number, at least 1; got 'abc'"),
         (["--steps", "0"], "argument --steps: must be a whole number, at least 1; got '0'"),
         (["--warmup", "-5"], "argument --warmup: must be a whole number, at least 0; got '-5'"),
-        (["--timeout-s", "nan"], "argument --timeout-s: must be a number of seconds above 0; got 'nan'"),
+        (
+            ["--timeout-s", "nan"],
+            "argument --timeout-s: must be a number of seconds above 0; got 'nan'",
+        ),
         (["--nproc", "2"], "unrecognized arguments: --nproc"),
-        (["--json", "missing/b.json"], "--json missing/b.json: cannot write the figures there: missing/ does not exist"),
+        (
+            ["--json", "missing/b.json"],
+            "--json missing/b.json: cannot write the figures there: missing/ does not exist",
+        ),
         (["--json", "."], "--json .: cannot write the figures there: it is a directory"),
     ],
-)  # fmt: skip
-def test_a_bad_argument_is_one_line_before_anything_runs(tmp_path, monkeypatch, bench_main, args,
-                                                         message):  # fmt: skip
+)
+def test_a_bad_argument_is_one_line_before_anything_runs(
+    tmp_path, monkeypatch, bench_main, args, message
+):
     monkeypatch.chdir(tmp_path)
     code, out, err = bench_main(*args)
     assert (code, out) == (2, "")
@@ -221,8 +267,9 @@ def test_figures_that_cannot_be_saved_are_printed_anyway(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("logger", ["tensorboard", "csv"])
-def test_the_template_loop_runs_in_a_run_dir_it_makes_whatever_the_logger(tmp_path, compose_train,
-                                                                          logger):  # fmt: skip
+def test_the_template_loop_runs_in_a_run_dir_it_makes_whatever_the_logger(
+    tmp_path, compose_train, logger
+):
     cfg = OmegaConf.to_object(compose_train(f"logger={logger}"))
     run_dir = tmp_path / "scratch" / "template-1-0"  # as the worker names it; nothing made yet
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -247,8 +294,10 @@ def test_the_table_puts_each_figure_in_its_row_and_column():
     }
     assert table.splitlines()[4].split() == ["1", "CPU", "process", "2", "CPU", "processes"]
     assert "scaling efficiency 1 -> 2: template 0.625 (0.625-0.625), reference 0.800" in table
-    assert ("all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
-            "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)") in table  # fmt: skip
+    assert (
+        "all-reduce of the gradients (4 MiB fp32): 5.00 ms, 1.0 GB/s bus bandwidth; the "
+        "2-process step is 6.00 ms longer than one (0% of the all-reduce hidden)"
+    ) in table
 
 
 def test_both_loops_mfu_comes_from_their_own_step_times_and_is_left_out_when_unknown():
@@ -257,11 +306,15 @@ def test_both_loops_mfu_comes_from_their_own_step_times_and_is_left_out_when_unk
     step_ms = times([10.0, 20.0], [8.0, 8.0], [12.5, 12.5], [10.0, 10.0])
     report = bench.figures(result(step_ms, flops_per_token=1e9, peak_flops=1e14))
     assert report["mfu"] == {
-        "1": {"template": {"median": 0.75, "min": 0.5, "max": 1.0},
-              "reference": {"median": 1.25, "min": 1.25, "max": 1.25}},
-        "2": {"template": {"median": 0.8, "min": 0.8, "max": 0.8},
-              "reference": {"median": 1.0, "min": 1.0, "max": 1.0}},
-    }  # fmt: skip
+        "1": {
+            "template": {"median": 0.75, "min": 0.5, "max": 1.0},
+            "reference": {"median": 1.25, "min": 1.25, "max": 1.25},
+        },
+        "2": {
+            "template": {"median": 0.8, "min": 0.8, "max": 0.8},
+            "reference": {"median": 1.0, "min": 1.0, "max": 1.0},
+        },
+    }
     table = bench.render({**report, **HEADER})
     rows = {line[:22].strip(): line[22:].split() for line in table.splitlines()}
     assert rows["template MFU"] == ["0.750", "(0.500-1.000)", "0.800", "(0.800-0.800)"]

@@ -244,8 +244,13 @@ def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("command", ["check", "bench", "k8s"])
 def test_every_command_refuses_a_key_added_with_plus_like_a_typo(tmp_path, command):
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.{command}", "+trainer.foo=1"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.{command}", "+trainer.foo=1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("config error: trainer.foo: no such key; allowed: max_steps,")
     assert len(done.stderr.splitlines()) == 1 and list(tmp_path.iterdir()) == []
@@ -253,7 +258,10 @@ def test_every_command_refuses_a_key_added_with_plus_like_a_typo(tmp_path, comma
 
 # As the README, the NCCL docs and the remedy texts write them; the shell has taken any quotes.
 NCCL_FORMS = [
-    ("nccl.debug=INFO nccl.debug_subsys=INIT,NET", {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}),
+    (
+        "nccl.debug=INFO nccl.debug_subsys=INIT,NET",
+        {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"},
+    ),
     ("nccl.debug_subsys=[INIT,NET]", {"NCCL_DEBUG_SUBSYS": "INIT,NET"}),
     ("nccl.debug_subsys=^ALLOC", {"NCCL_DEBUG_SUBSYS": "^ALLOC"}),
     ("nccl.ib_hca=mlx5_0,mlx5_1", {"NCCL_IB_HCA": "mlx5_0,mlx5_1"}),
@@ -262,11 +270,13 @@ NCCL_FORMS = [
     ("nccl.socket_ifname=^lo,docker", {"NCCL_SOCKET_IFNAME": "^lo,docker"}),
     ("nccl.env.NCCL_ALGO=Ring", {"NCCL_ALGO": "Ring"}),
     ("+nccl.env.NCCL_ALGO=Ring,Tree", {"NCCL_ALGO": "Ring,Tree"}),
-    ("nccl.env.NCCL_IBEXT_DISABLE=1 nccl.env.NCCL_BUFFSIZE=8388608",
-     {"NCCL_IBEXT_DISABLE": "1", "NCCL_BUFFSIZE": "8388608"}),
+    (
+        "nccl.env.NCCL_IBEXT_DISABLE=1 nccl.env.NCCL_BUFFSIZE=8388608",
+        {"NCCL_IBEXT_DISABLE": "1", "NCCL_BUFFSIZE": "8388608"},
+    ),
     ("nccl.env.TORCH_NCCL_BLOCKING_WAIT=1", {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
     ("nccl.env={NCCL_ALGO:Tree,NCCL_PROTO:LL} nccl.env.NCCL_ALGO=null", {"NCCL_PROTO": "LL"}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("overrides", "env"), NCCL_FORMS, ids=[o for o, _ in NCCL_FORMS])
@@ -281,10 +291,21 @@ def test_nccl_values_work_as_nccl_writes_them(overrides, env):
 def test_train_reads_nccl_values_as_nccl_writes_them(tmp_path):
     """train's own command line (overrides.hydra_argv), which the launcher hands the overrides to."""
     done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.train", "--cfg", "job", "nccl.debug_subsys=INIT,NET",
-         "nccl.env.NCCL_ALGO=Ring,Tree", "nccl.socket_ifname=^lo"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            f"{PACKAGE}.train",
+            "--cfg",
+            "job",
+            "nccl.debug_subsys=INIT,NET",
+            "nccl.env.NCCL_ALGO=Ring,Tree",
+            "nccl.socket_ifname=^lo",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     nccl = yaml.safe_load(done.stdout)["nccl"]
     assert (nccl["debug_subsys"], nccl["socket_ifname"]) == ("INIT,NET", "^lo")
@@ -335,9 +356,10 @@ def unnamed_profile(configs_copy):
     written before nccl.profile existed."""
     nccl = configs_copy / "nccl"
     mine = "".join(
-        line for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
+        line
+        for line in (nccl / "socket.yaml").read_text().splitlines(keepends=True)
         if not line.startswith("profile:")
-    )  # fmt: skip
+    )
     (nccl / "mine.yaml").write_text(mine)
 
 
@@ -363,20 +385,28 @@ def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy
 
 
 NOT_YAML = [
-    (b"trainer:\n\tmax_steps: 3\n",
-     "line 2, column 1: not YAML: found character '\\t' that cannot start any token (indent YAML with spaces)"),
-    (b"trainer: [1, 2\nfoo: 1\n",
-     "line 2, column 4: not YAML: expected ',' or ']', but got ':' (while parsing a flow sequence from line 1)"),
-    (b"trainer:\n  a: 1\n  a: 2\n",
-     "line 3, column 3: not YAML: found duplicate key a (while constructing a mapping from line 2)"),
+    (
+        b"trainer:\n\tmax_steps: 3\n",
+        "line 2, column 1: not YAML: found character '\\t' that cannot start any token (indent YAML with spaces)",
+    ),
+    (
+        b"trainer: [1, 2\nfoo: 1\n",
+        "line 2, column 4: not YAML: expected ',' or ']', but got ':' (while parsing a flow sequence from line 1)",
+    ),
+    (
+        b"trainer:\n  a: 1\n  a: 2\n",
+        "line 3, column 3: not YAML: found duplicate key a (while constructing a mapping from line 2)",
+    ),
     (b"\xff\xfe\x00", ": not UTF-8 text (byte 0): not a YAML file"),
     (b"42\n", ": holds a int; a config file holds keys and values"),
     (b"- trainer\n", ": holds a list; a config file holds keys and values"),
     # Hydra reads the header up to the first plain comment: this one puts the keys under local.
-    (b"# this machine\n# @package _global_\ntrainer:\n  max_steps: 3\n",
-     ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml has it): "
-     "Hydra reads it there only, and without it puts the keys under `local`"),
-]  # fmt: skip
+    (
+        b"# this machine\n# @package _global_\ntrainer:\n  max_steps: 3\n",
+        ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml has it): "
+        "Hydra reads it there only, and without it puts the keys under `local`",
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -401,15 +431,24 @@ def test_a_configs_file_hydra_cannot_use_is_one_line_naming_file_and_line(
     ("entry", "message"),
     [
         # As the schemas were named before they moved to the root of Hydra's store.
-        ("mlp_schema", "its defaults list names model/mlp_schema, which is no config; a schema is named "
-                       "from the root: - /mlp_schema"),
-        ("/mlp_schem", "its defaults list names mlp_schem, which is no config; did you mean /mlp_schema? "
-                       "the schemas: /points_schema, /tokens_schema, /mlp_schema, /gpt_schema"),
+        (
+            "mlp_schema",
+            "its defaults list names model/mlp_schema, which is no config; a schema is named "
+            "from the root: - /mlp_schema",
+        ),
+        (
+            "/mlp_schem",
+            "its defaults list names mlp_schem, which is no config; did you mean /mlp_schema? "
+            "the schemas: /points_schema, /tokens_schema, /mlp_schema, /gpt_schema",
+        ),
         ("/zzz", "its defaults list names zzz, which is no config; the schemas: /points_schema,"),
-        ("/logger/csvv", "its defaults list names logger/csvv, which is no config; did you mean "
-                         "logger/csv? the logger options: csv, mlflow, tensorboard, wandb"),
+        (
+            "/logger/csvv",
+            "its defaults list names logger/csvv, which is no config; did you mean "
+            "logger/csv? the logger options: csv, mlflow, tensorboard, wandb",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_defaults_entry_that_names_no_config_is_one_line_naming_the_file(
     configs_copy, entry, message
 ):
@@ -469,8 +508,13 @@ def test_k8s_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
     project = configs_copy.parent
     (project / "pyproject.toml").write_text("")
     (configs_copy / "local" / "default.yaml").write_text("deploy: {nodes: 2\n")
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s"], cwd=project,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     where = "configs/local/default.yaml, line 2, column 1"
     assert done.stderr.startswith(f"config error: {where}: not YAML: expected ',' or '}}'")

@@ -22,9 +22,18 @@ def checkpointer(run_dir, model, keep=2, every=10, keep_best=False, asynchronous
     """Synchronous unless asked: these tests read the files a write leaves at once."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     states = {"model": model, "optimizer": optimizer, "data": Progress()}
-    return Checkpointer(run_dir, every=every, keep=keep, keep_best=keep_best, world=ONE,
-                        group=None, states=states, config={}, options={},
-                        asynchronous=asynchronous)  # fmt: skip
+    return Checkpointer(
+        run_dir,
+        every=every,
+        keep=keep,
+        keep_best=keep_best,
+        world=ONE,
+        group=None,
+        states=states,
+        config={},
+        options={},
+        asynchronous=asynchronous,
+    )
 
 
 def names(run_dir) -> list[str]:
@@ -164,8 +173,16 @@ def test_a_checkpoint_gives_back_the_weights_optimizer_position_and_rng_it_was_w
     def checkpointer_of(model, progress):
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         states = {"model": model, "optimizer": optimizer, "data": progress}
-        saver = Checkpointer(tmp_path, every=10, keep=2, world=ONE, group=None, states=states,
-                             config={"model": {"depth": 2}}, options={"model": "resmlp"})  # fmt: skip
+        saver = Checkpointer(
+            tmp_path,
+            every=10,
+            keep=2,
+            world=ONE,
+            group=None,
+            states=states,
+            config={"model": {"depth": 2}},
+            options={"model": "resmlp"},
+        )
         return saver, optimizer
 
     model, progress = torch.nn.Linear(4, 2), Progress(12, 1, 5)
@@ -376,12 +393,24 @@ def test_a_snapshot_fits_in_most_of_the_memory_still_available():
 @pytest.mark.parametrize(
     ("files", "held"),
     [  # a v2 group and a v1 group, each 1 GiB held of which 256 MiB inactive file pages
-        ({"memory.max": "2147483648", "memory.current": "1073741824",
-          "memory.stat": "anon 1\ninactive_file 268435456\n"}, 2**30 - 2**28),
-        ({"memory.limit_in_bytes": "2147483648", "memory.usage_in_bytes": "1073741824",
-          "memory.stat": "total_inactive_file 268435456\n"}, 2**30 - 2**28),
+        (
+            {
+                "memory.max": "2147483648",
+                "memory.current": "1073741824",
+                "memory.stat": "anon 1\ninactive_file 268435456\n",
+            },
+            2**30 - 2**28,
+        ),
+        (
+            {
+                "memory.limit_in_bytes": "2147483648",
+                "memory.usage_in_bytes": "1073741824",
+                "memory.stat": "total_inactive_file 268435456\n",
+            },
+            2**30 - 2**28,
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_containers_available_memory_is_its_limit_less_what_it_holds(tmp_path, files, held):
     from ddp_project.run import oom
 

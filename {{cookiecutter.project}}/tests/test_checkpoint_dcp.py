@@ -28,9 +28,14 @@ def max_abs_diff(a, b) -> float:
 def dcp_run(request):
     """2 processes, 40 steps, a DCP checkpoint every 10 (3 kept) and best.dcp."""
     folder = shared_folder(request)
-    done = torchrun(folder, "trainer.max_steps=40", "trainer.checkpoint_every=10",
-                    "trainer.val_every=10", "trainer.checkpoint_format=dcp",
-                    "hydra.run.dir=run")  # fmt: skip
+    done = torchrun(
+        folder,
+        "trainer.max_steps=40",
+        "trainer.checkpoint_every=10",
+        "trainer.val_every=10",
+        "trainer.checkpoint_format=dcp",
+        "hydra.run.dir=run",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return folder / "run"
 
@@ -83,8 +88,13 @@ def test_a_file_format_run_goes_on_in_dcp(dcp_run, tmp_path):
         tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "hydra.run.dir=run"
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    done = torchrun(tmp_path, "trainer.max_steps=40", "trainer.checkpoint_every=10",
-                    "trainer.checkpoint_format=dcp", "hydra.run.dir=run")  # fmt: skip
+    done = torchrun(
+        tmp_path,
+        "trainer.max_steps=40",
+        "trainer.checkpoint_every=10",
+        "trainer.checkpoint_format=dcp",
+        "hydra.run.dir=run",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step 20" in done.stdout
     resumed = checkpoint.read(run / "checkpoints" / "step_000000040.dcp")
@@ -94,8 +104,13 @@ def test_a_file_format_run_goes_on_in_dcp(dcp_run, tmp_path):
 
 def test_evaluate_scores_a_dcp_folder_as_training_validated_it(dcp_run):
     for ckpt in (dcp_run, dcp_run / "checkpoints" / "step_000000030.dcp"):
-        done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.evaluate", f"ckpt={ckpt}"],
-                              cwd=dcp_run.parent, capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", f"{PACKAGE}.evaluate", f"ckpt={ckpt}"],
+            cwd=dcp_run.parent,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     log = (dcp_run / "train.log").read_text()
     val_loss = next(line for line in log.splitlines() if "step 30/40" in line).split("val loss ")[
@@ -112,9 +127,19 @@ def checkpointer(run_dir, model, keep=2, keep_best=False):
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     states = {"model": model, "optimizer": optimizer, "data": Progress()}
-    return Checkpointer(run_dir, every=10, keep=keep, keep_best=keep_best, world=ONE, group=None,
-                        states=states, config={}, options={}, asynchronous=False,
-                        checkpoint_format="dcp")  # fmt: skip
+    return Checkpointer(
+        run_dir,
+        every=10,
+        keep=keep,
+        keep_best=keep_best,
+        world=ONE,
+        group=None,
+        states=states,
+        config={},
+        options={},
+        asynchronous=False,
+        checkpoint_format="dcp",
+    )
 
 
 def test_a_folder_with_a_share_cut_short_is_not_loaded_not_counted_and_not_deleted(

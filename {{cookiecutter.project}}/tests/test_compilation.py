@@ -37,10 +37,15 @@ def test_a_recompile_after_the_first_step_is_named_with_its_cause(
     """Steps 1-4 keep one batch shape (their compile is the run's own: no line), steps 5-8 change
     it three times (one line at step 8, naming dynamo's cause), steps 9-12 go back to a shape
     compiled already (no line)."""
-    cfg = OmegaConf.to_object(compose_train(
-        "dist.backend=gloo", "trainer.compile=true", "trainer.max_steps=12", "trainer.log_every=4",
-        "trainer.checkpoint_every=0",
-    ))  # fmt: skip
+    cfg = OmegaConf.to_object(
+        compose_train(
+            "dist.backend=gloo",
+            "trainer.compile=true",
+            "trainer.max_steps=12",
+            "trainer.log_every=4",
+            "trainer.checkpoint_every=0",
+        )
+    )
     trainer = Trainer(cfg, World(), torch.device("cpu"), tmp_path / "run")
     sizes = [16] * 4 + [8, 12, 16, 10] + [16] * 4
     data = cfg.data
@@ -58,10 +63,15 @@ def test_a_recompile_after_the_first_step_is_named_with_its_cause(
 def test_steady_shapes_compile_once_and_say_nothing(
     compose_train, tmp_path, compiled_on_cpu, caplog
 ):
-    cfg = OmegaConf.to_object(compose_train(
-        "dist.backend=gloo", "trainer.compile=true", "trainer.max_steps=8", "trainer.log_every=2",
-        "trainer.checkpoint_every=0",
-    ))  # fmt: skip
+    cfg = OmegaConf.to_object(
+        compose_train(
+            "dist.backend=gloo",
+            "trainer.compile=true",
+            "trainer.max_steps=8",
+            "trainer.log_every=2",
+            "trainer.checkpoint_every=0",
+        )
+    )
     trainer = Trainer(cfg, World(), torch.device("cpu"), tmp_path / "run")
     with caplog.at_level(logging.WARNING):
         assert trainer.train() is False

@@ -59,8 +59,13 @@ def test_each_profile_sets_exactly_its_variables(compose_train, profile):
 
 
 def test_overrides_reach_the_config(compose_train):
-    cfg = compose_train("nccl=pcie_safe", "nccl.p2p_disable=false", "nccl.debug=INFO",
-                        "+nccl.env.NCCL_ALGO=Ring", "trainer.max_steps=7")  # fmt: skip
+    cfg = compose_train(
+        "nccl=pcie_safe",
+        "nccl.p2p_disable=false",
+        "nccl.debug=INFO",
+        "+nccl.env.NCCL_ALGO=Ring",
+        "trainer.max_steps=7",
+    )
     config = OmegaConf.to_object(cfg)
     assert config.trainer.max_steps == 7
     assert nccl.decide(config.nccl, None, inherited={}).env == {
@@ -159,15 +164,28 @@ def test_nccl_overrides_are_rewritten_once_and_only_theirs():
 
     from ddp_project.config.overrides import hydra_overrides
 
-    given = ["-m", "--cfg", "job", "trainer.accept_changes=[trainer.lr,data.batch_size]",
-             "hydra.sweep.dir=a,b", "nccl=infiniband", "nccl.debug=INFO,WARN",
-             "nccl.debug_subsys=INIT,NET", "+nccl.env.NCCL_ALGO=Ring", "nccl.ib_hca=null",
-             "nccl.env.NCCL_PROTO=choice(LL,Simple)", "nccl.socket_ifname=${oc.env:IFACE}",
-             "~nccl.env.NCCL_X"]  # fmt: skip
+    given = [
+        "-m",
+        "--cfg",
+        "job",
+        "trainer.accept_changes=[trainer.lr,data.batch_size]",
+        "hydra.sweep.dir=a,b",
+        "nccl=infiniband",
+        "nccl.debug=INFO,WARN",
+        "nccl.debug_subsys=INIT,NET",
+        "+nccl.env.NCCL_ALGO=Ring",
+        "nccl.ib_hca=null",
+        "nccl.env.NCCL_PROTO=choice(LL,Simple)",
+        "nccl.socket_ifname=${oc.env:IFACE}",
+        "~nccl.env.NCCL_X",
+    ]
     rewritten = hydra_overrides(given)
     changed = {new for old, new in zip(given, rewritten, strict=True) if old != new}
-    assert changed == {"nccl.debug_subsys='INIT,NET'", "++nccl.env.NCCL_ALGO='Ring'",
-                       "++nccl.env.NCCL_PROTO=choice(LL,Simple)"}  # fmt: skip
+    assert changed == {
+        "nccl.debug_subsys='INIT,NET'",
+        "++nccl.env.NCCL_ALGO='Ring'",
+        "++nccl.env.NCCL_PROTO=choice(LL,Simple)",
+    }
     assert hydra_overrides(rewritten) == rewritten
     # Under -m a bare comma list is still NCCL's list; choice() is how to sweep over values.
     parsed = OverridesParser.create().parse_overrides(rewritten[6:])

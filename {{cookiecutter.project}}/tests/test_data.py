@@ -145,8 +145,13 @@ def test_a_scan_is_reused_by_the_processes_started_after_it_until_the_file_chang
 
 def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.check", *GPT, "data.path=odd.bin"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.check", *GPT, "data.path=odd.bin"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr == (
         "config error: data.path=odd.bin: holds 3 bytes, an odd count: not a file of 2-byte "

@@ -307,8 +307,11 @@ def test_the_blamed_ranks_own_exception_wins_over_an_unlabelled_one():
 
 def test_a_failed_profile_row_names_the_root_cause(monkeypatch):
     output, cause = TORCHRUN_FAILURES["exception"]
-    monkeypatch.setattr(doctor.probe, "run_with_hard_timeout",
-                        lambda *args, **kwargs: probe.Outcome("failed", output))  # fmt: skip
+    monkeypatch.setattr(
+        doctor.probe,
+        "run_with_hard_timeout",
+        lambda *args, **kwargs: probe.Outcome("failed", output),
+    )
     result = doctor.run_profile("auto", {}, 2, [1], 10)
     assert (result.result, result.error) == ("fails", cause)
 
@@ -361,14 +364,17 @@ def doctor_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_one_gpu_has_nothing_between_gpus_to_test_and_says_what_it_checked(one_gpu, monkeypatch,
-                                                                          capsys):  # fmt: skip
+def test_one_gpu_has_nothing_between_gpus_to_test_and_says_what_it_checked(
+    one_gpu, monkeypatch, capsys
+):
     code, out, err = doctor_main(monkeypatch, capsys)
     assert code == 0, out + err
     assert one_gpu.calls == [(name, 1, []) for name in doctor.PROFILES]  # one process, no sizes
     assert "GPUs: 1, links from none; testing with 1 process\n" in out
-    assert ("One GPU: nothing between GPUs to test (NCCL needs a GPU per process); checked the "
-            "node's facts above and one process's NCCL init under each profile") in out  # fmt: skip
+    assert (
+        "One GPU: nothing between GPUs to test (NCCL needs a GPU per process); checked the "
+        "node's facts above and one process's NCCL init under each profile"
+    ) in out
     assert out.rstrip().endswith(
         "Nothing between GPUs to test here. One process's NCCL init works under auto, "
         "nccl_default, pcie_safe, socket; training on one GPU needs no profile choice."
@@ -385,19 +391,27 @@ def test_one_gpu_whose_nccl_init_fails_says_so(one_gpu, monkeypatch, capsys):
     code, out, _ = doctor_main(monkeypatch, capsys, "--profiles", "auto")
     assert code == 1
     assert "auto          fails         -   rank 0: DistBackendError: …" in out
-    assert out.rstrip().endswith("One process's NCCL init fails under every profile: read the "
-                                 "errors above; NCCL_DEBUG=INFO shows more.")  # fmt: skip
+    assert out.rstrip().endswith(
+        "One process's NCCL init fails under every profile: read the "
+        "errors above; NCCL_DEBUG=INFO shows more."
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nproc", "2"], "--nproc 2: 1 GPU(s) visible here, and NCCL needs a GPU per process; use at most 1"),
+        (
+            ["--nproc", "2"],
+            "--nproc 2: 1 GPU(s) visible here, and NCCL needs a GPU per process; use at most 1",
+        ),
         (["--nproc", "0"], "argument --nproc: must be a whole number, at least 1; got '0'"),
         (["--nproc", "abc"], "argument --nproc: must be a whole number, at least 1; got 'abc'"),
-        (["--timeout-s", "-1"], "argument --timeout-s: must be a number of seconds above 0; got '-1'"),
+        (
+            ["--timeout-s", "-1"],
+            "argument --timeout-s: must be a number of seconds above 0; got '-1'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_doctor_argument_is_one_line(one_gpu, monkeypatch, capsys, args, message):
     code, out, err = doctor_main(monkeypatch, capsys, *args)
     assert (code, out, err) == (2, "", f"{PACKAGE}.doctor: {message}\n")
@@ -408,8 +422,14 @@ def test_one_process_all_reduce_reports_its_init_and_no_bandwidth(monkeypatch, c
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["allreduce", "--sizes-mib", "1"])  # one process: moot
@@ -433,11 +453,17 @@ def test_two_gpus_recommend_the_fastest_working_profile_and_rate_auto_against_it
     fake_node, monkeypatch, capsys
 ):
     measured = {
-        "auto": doctor.ProfileResult("auto", {}, "works", 1.0, {"1MiB": 20.0, "64MiB": 300.0, "1024MiB": 400.0}),
-        "nccl_default": doctor.ProfileResult("nccl_default", {}, "works", 1.0, {"1MiB": 30.0, "64MiB": 200.0, "1024MiB": 450.0}),
-        "pcie_safe": doctor.ProfileResult("pcie_safe", {}, "fails", error="rank 1: RuntimeError: boom"),
+        "auto": doctor.ProfileResult(
+            "auto", {}, "works", 1.0, {"1MiB": 20.0, "64MiB": 300.0, "1024MiB": 400.0}
+        ),
+        "nccl_default": doctor.ProfileResult(
+            "nccl_default", {}, "works", 1.0, {"1MiB": 30.0, "64MiB": 200.0, "1024MiB": 450.0}
+        ),
+        "pcie_safe": doctor.ProfileResult(
+            "pcie_safe", {}, "fails", error="rank 1: RuntimeError: boom"
+        ),
         "socket": doctor.ProfileResult("socket", {}, "hangs", error="no result within 90 s"),
-    }  # fmt: skip
+    }
     node = fake_node(2, lambda name, env: measured[name])
     code, out, _ = doctor_main(monkeypatch, capsys)
     assert code == 0

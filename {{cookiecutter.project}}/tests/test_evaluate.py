@@ -98,9 +98,13 @@ def test_a_checkpoint_scores_the_same_on_one_and_on_two_processes(trained, run_h
     # Validation while training is this score, the same figures at the same step.
     validated = {row["step"]: row for row in read_metrics(run_dir)}
     assert (validated[60]["val_loss"], validated[60]["val_accuracy"]) == (
-        result["loss"], result["accuracy"])  # fmt: skip
+        result["loss"],
+        result["accuracy"],
+    )
     assert (validated[30]["val_loss"], validated[30]["val_accuracy"]) == (
-        whole["loss"], whole["accuracy"])  # fmt: skip
+        whole["loss"],
+        whole["accuracy"],
+    )
 
 
 # --- in-process: evaluate.main on checkpoints written here, no launch -------------------------
@@ -114,8 +118,10 @@ def write_checkpoint(path: Path, compose_train, *overrides: str, step: int = 5) 
         model = build_model(cfg.model, cfg.data)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": {}, "data": {},
-                "config": config}, path)  # fmt: skip
+    torch.save(
+        {"step": step, "model": model.state_dict(), "optimizer": {}, "data": {}, "config": config},
+        path,
+    )
     return path
 
 
@@ -137,10 +143,16 @@ def run_here(monkeypatch, capsys):
 
 def damaged(folder: Path, compose_train) -> dict[str, Path]:
     good = write_checkpoint(folder / "good.pt", compose_train)
-    files = {"good": good, "empty": folder / "empty.pt", "text": folder / "text.pt",
-             "truncated": folder / "truncated.pt", "foreign": folder / "foreign.pt",
-             "keyless": folder / "keyless.pt", "pickle": folder / "pickle.pt",
-             "list": folder / "list.pt"}  # fmt: skip
+    files = {
+        "good": good,
+        "empty": folder / "empty.pt",
+        "text": folder / "text.pt",
+        "truncated": folder / "truncated.pt",
+        "foreign": folder / "foreign.pt",
+        "keyless": folder / "keyless.pt",
+        "pickle": folder / "pickle.pt",
+        "list": folder / "list.pt",
+    }
     files["empty"].write_bytes(b"")
     files["text"].write_text("step: 5\nmodel: none\n")
     files["truncated"].write_bytes(good.read_bytes()[: good.stat().st_size // 2])
@@ -165,16 +177,18 @@ def damaged(folder: Path, compose_train) -> dict[str, Path]:
         ("list", "not a training checkpoint: it holds a list, not a dict"),
     ],
 )
-def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(tmp_path, compose_train, run_here,
-                                                            name, why):  # fmt: skip
+def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(
+    tmp_path, compose_train, run_here, name, why
+):
     files = damaged(tmp_path, compose_train)
     code, out, err = run_here(tmp_path, f"ckpt={files[name].name}")
     assert (code, out) == (2, "")
     assert err.startswith(f"config error: ckpt={name}.pt: {why}") and err.count("\n") == 1, err
 
 
-def test_a_checkpoint_outside_a_run_is_scored_with_its_result_beside_it(tmp_path, compose_train,
-                                                                      run_here):  # fmt: skip
+def test_a_checkpoint_outside_a_run_is_scored_with_its_result_beside_it(
+    tmp_path, compose_train, run_here
+):
     write_checkpoint(tmp_path / "models" / "mine.pt", compose_train)
     code, out, err = run_here(tmp_path, "ckpt=models/mine.pt")
     assert code == 0, err
@@ -184,8 +198,12 @@ def test_a_checkpoint_outside_a_run_is_scored_with_its_result_beside_it(tmp_path
 
 def test_an_empty_held_out_set_is_one_line(tmp_path, compose_train, run_here):
     # 9 samples: one part in HELD_OUT held out rounds down to none
-    write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000005.pt", compose_train,
-                     "data.num_samples=9", "data.batch_size=4")  # fmt: skip
+    write_checkpoint(
+        tmp_path / "run" / "checkpoints" / "step_000000005.pt",
+        compose_train,
+        "data.num_samples=9",
+        "data.batch_size=4",
+    )
     code, out, err = run_here(tmp_path, "ckpt=run")
     assert (code, out) == (2, "")
     assert err == (
@@ -196,8 +214,11 @@ def test_an_empty_held_out_set_is_one_line(tmp_path, compose_train, run_here):
 
 def test_more_processes_than_held_out_samples_is_refused_with_how_many_fit(compose_train):
     cfg = OmegaConf.to_object(compose_train("data.num_samples=20"))  # 2 held out
-    with pytest.raises(ConfigError, match=r"holds 2 held-out sample\(s\), fewer than the 3 .*"
-                                          r"evaluate on at most 2 process\(es\)$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"holds 2 held-out sample\(s\), fewer than the 3 .*"
+        r"evaluate on at most 2 process\(es\)$",
+    ):
         evaluate_module.held_out(cfg, World(size=3, local_size=3), batch_given=False)
     assert len(evaluate_module.held_out(cfg, World(size=2, local_size=2), batch_given=False)) == 2
 
@@ -211,8 +232,12 @@ def test_a_batch_size_too_large_speaks_of_held_out_samples(tmp_path, compose_tra
         "held-out samples of data.num_samples=16384; use a batch size of at most 1638\n"
     )
     # the checkpoint's own batch size is no request: a large one is capped by the share
-    write_checkpoint(tmp_path / "big" / "checkpoints" / "step_000000005.pt", compose_train,
-                     "data.batch_size=4096", "data.num_samples=65536")  # fmt: skip
+    write_checkpoint(
+        tmp_path / "big" / "checkpoints" / "step_000000005.pt",
+        compose_train,
+        "data.batch_size=4096",
+        "data.num_samples=65536",
+    )
     code, out, err = run_here(tmp_path, "ckpt=big/checkpoints")  # its checkpoints/ folder named
     assert code == 0 and " on 6553 held-out predictions -> " in out, err
 
@@ -269,8 +294,10 @@ def test_ctrl_c_is_one_line(tmp_path, compose_train, run_here, monkeypatch):
 
     monkeypatch.setattr(evaluate_module, "evaluate", interrupted)
     assert run_here(tmp_path, "ckpt=run") == (
-        130, "", "evaluate: stopped by Ctrl-C before the score was complete; nothing saved\n"
-    )  # fmt: skip
+        130,
+        "",
+        "evaluate: stopped by Ctrl-C before the score was complete; nothing saved\n",
+    )
 
 
 @pytest.mark.parametrize(
@@ -309,20 +336,39 @@ def test_a_checkpoint_records_its_options_and_one_without_is_read_by_its_keys(tr
     ("options", "args", "message"),
     [
         ([1], [], "ckpt=run/checkpoints/step_000000005.pt: its 'options' is a list, not a dict"),
-        ({"model": "resmlp"}, [], "model=resmlp: the checkpoint was trained with this option, which "
-         "is not registered here (registered: mlp, gpt); register it again to read it"),
-        ({"model": 5}, [], "model=5: the checkpoint was trained with this option, which is not "
-         "registered here"),
-        ({"model": "gpt"}, [], "model=gpt: the checkpoint's keys (depth, hidden_dim) are not those "
-         "of its schema GptConfig (d_model, n_head, n_layer)"),
-        ({"model": "mlp"}, ["model=gpt"], "model=gpt: the checkpoint was trained with model=mlp, "
-         "which builds it; leave model= out"),
+        (
+            {"model": "resmlp"},
+            [],
+            "model=resmlp: the checkpoint was trained with this option, which "
+            "is not registered here (registered: mlp, gpt); register it again to read it",
+        ),
+        (
+            {"model": 5},
+            [],
+            "model=5: the checkpoint was trained with this option, which is not registered here",
+        ),
+        (
+            {"model": "gpt"},
+            [],
+            "model=gpt: the checkpoint's keys (depth, hidden_dim) are not those "
+            "of its schema GptConfig (d_model, n_head, n_layer)",
+        ),
+        (
+            {"model": "mlp"},
+            ["model=gpt"],
+            "model=gpt: the checkpoint was trained with model=mlp, "
+            "which builds it; leave model= out",
+        ),
         (None, ["model=nope"], "model=nope: no such option; allowed: mlp, gpt"),
-        (None, ["data=tokens"], "data=tokens: its keys (batch_size, num_samples, num_workers, "
-         "on_device, path, pin_memory, seq_len, vocab_size) are not the checkpoint's (batch_size, "
-         "num_classes, num_features, num_samples, num_workers, on_device, pin_memory)"),
+        (
+            None,
+            ["data=tokens"],
+            "data=tokens: its keys (batch_size, num_samples, num_workers, "
+            "on_device, path, pin_memory, seq_len, vocab_size) are not the checkpoint's (batch_size, "
+            "num_classes, num_features, num_samples, num_workers, on_device, pin_memory)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_options_that_cannot_be_the_checkpoints_are_one_line(
     tmp_path, compose_train, run_here, options, args, message
 ):
@@ -350,8 +396,17 @@ def test_a_token_file_from_text_trains_and_keeps_its_tail_for_evaluation(tmp_pat
     tokens = tmp_path / "sample.bin"
     count = prepare(SAMPLE, tokens)
     assert count == SAMPLE.stat().st_size and tokens.stat().st_size == 2 * count
-    overrides = ("model=gpt", "data=tokens", f"data.path={tokens}", "data.seq_len=64", "data.vocab_size=256",
-                 "data.batch_size=8", "model.d_model=64", "model.n_layer=2", "trainer.lr=0.003")  # fmt: skip
+    overrides = (
+        "model=gpt",
+        "data=tokens",
+        f"data.path={tokens}",
+        "data.seq_len=64",
+        "data.vocab_size=256",
+        "data.batch_size=8",
+        "model.d_model=64",
+        "model.n_layer=2",
+        "trainer.lr=0.003",
+    )
     cfg = composed(*overrides)
     train, held = TokenFile(cfg.data, held_out=False), TokenFile(cfg.data, held_out=True)
     sequences = (count - 1) // 64

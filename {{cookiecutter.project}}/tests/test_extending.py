@@ -81,8 +81,9 @@ def extended(tmp_path_factory) -> Path:
 
 def run(root: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_examples_are_new_to_the_project():
@@ -94,8 +95,17 @@ def test_the_examples_are_new_to_the_project():
 
 def test_a_flavor_added_as_the_page_says_renders_and_is_accepted(extended):
     flavor = NAMES["flavor"]
-    done = run(extended, "-m", f"{PACKAGE}.k8s", "--out", "k8s", f"deploy.flavor={flavor}",
-               "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany", "deploy.queue=team-a")  # fmt: skip
+    done = run(
+        extended,
+        "-m",
+        f"{PACKAGE}.k8s",
+        "--out",
+        "k8s",
+        f"deploy.flavor={flavor}",
+        "deploy.nodes=2",
+        "deploy.runs_access_mode=ReadWriteMany",
+        "deploy.queue=team-a",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     files = sorted(p.name for p in (extended / "k8s").iterdir())
     assert files == [f"{flavor}.yaml", "runs-pvc.yaml"], done.stdout
@@ -126,8 +136,9 @@ def test_a_model_and_a_logger_added_as_the_page_says_pass_the_check_and_build(ex
         extended, "-m", f"{PACKAGE}.check", f"logger={logger}", f"logger.{logger}.every=0"
     )
     assert (refused.returncode, refused.stderr) == (
-        2, f"config error: logger.{logger}.every=0: must be at least 1\n"
-    )  # fmt: skip
+        2,
+        f"config error: logger.{logger}.every=0: must be at least 1\n",
+    )
     # The builders the page registers: the model as training builds it, the logger given a row.
     script = """
 import json, sys, tempfile

@@ -34,9 +34,16 @@ def block_for(message: str, phase: str, backend: str) -> str:
     decision = nccl.decide(NcclConfig(p2p_disable=True), None, {"NCCL_DEBUG": "WARN"})
     failure = failfast.as_collective_failure(RuntimeError(message), phase=phase, backend=backend)
     return failfast.remedy_block(
-        failure, rank=0, backend=backend, timeout_s=180, decision=decision, profile="pcie_safe",
-        launch=f"{PACKAGE} train --nproc-per-node 2", package=PACKAGE, trace_prefix="/runs/x/nccl/trace_rank_",
-    )  # fmt: skip
+        failure,
+        rank=0,
+        backend=backend,
+        timeout_s=180,
+        decision=decision,
+        profile="pcie_safe",
+        launch=f"{PACKAGE} train --nproc-per-node 2",
+        package=PACKAGE,
+        trace_prefix="/runs/x/nccl/trace_rank_",
+    )
 
 
 def test_a_failed_gate_under_nccl_gets_the_transport_causes_in_order():

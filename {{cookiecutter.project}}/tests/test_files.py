@@ -115,8 +115,9 @@ def probe_path(run_dir):
     return run_dir / "nccl" / f"probe-{socket.gethostname()}-{World.from_env().attempt}.json"
 
 
-FACTS = NodeFacts(gpu_count=1, nvlink_pairs=frozenset(), ib_active_ports=0, world_size=1,
-                  local_world_size=1)  # fmt: skip
+FACTS = NodeFacts(
+    gpu_count=1, nvlink_pairs=frozenset(), ib_active_ports=0, world_size=1, local_world_size=1
+)
 
 # Each writer of the project: (where its file goes in a run dir, the write). metrics.csv's writer
 # (".metrics.csv.part") and the node probe's (".tmp<pid>") left their temp file behind on a failure.

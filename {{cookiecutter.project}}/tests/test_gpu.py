@@ -25,9 +25,15 @@ TRANSPORT = re.compile(r"via (P2P/[\w/]+|SHM/[\w/]+|NET/[\w/]+)")
 @pytest.mark.parametrize("profile", ["auto", "nccl_default", "pcie_safe"])
 def test_two_gpus_train_with_nccl(tmp_path, profile):
     run_dir = tmp_path / "run"
-    done = torchrun(tmp_path, f"nccl={profile}", "trainer.max_steps=300", f"hydra.run.dir={run_dir}",
-                    "dist.time_comm=true", "trainer.max_grad_norm=1.0",  # every metric, on CUDA
-                    env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,P2P,SHM,NET"})  # fmt: skip
+    done = torchrun(
+        tmp_path,
+        f"nccl={profile}",
+        "trainer.max_steps=300",
+        f"hydra.run.dir={run_dir}",
+        "dist.time_comm=true",
+        "trainer.max_grad_norm=1.0",  # every metric, on CUDA
+        env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,P2P,SHM,NET"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     transports = sorted(set(TRANSPORT.findall(done.stdout + done.stderr)))
     assert transports, "NCCL printed no transport lines"
@@ -50,13 +56,19 @@ def test_two_gpus_train_with_nccl(tmp_path, profile):
     assert (run_dir / "metrics.png").exists() and list((run_dir / "tensorboard").iterdir())
     samples_per_s = sum(row["samples_per_s"] for row in rows[1:]) / len(rows[1:])  # after warm-up
     comm = sorted(row["comm_share"] for row in rows)[len(rows) // 2]
-    print(f"\nGPU-RESULT nccl={profile} transports={','.join(transports)} "
-          f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f} comm_share={comm:.2f}")  # fmt: skip
+    print(
+        f"\nGPU-RESULT nccl={profile} transports={','.join(transports)} "
+        f"samples_per_s={samples_per_s:.0f} final_loss={rows[-1]['loss']:.4f} comm_share={comm:.2f}"
+    )
 
 
 def test_doctor_recommends_a_working_profile_and_auto_is_near_the_best():
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.doctor", "--json"], capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
     results = {r["profile"]: r for r in report["profiles"]}

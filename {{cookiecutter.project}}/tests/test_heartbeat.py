@@ -58,9 +58,22 @@ def test_a_quiet_test_gets_a_heartbeat_on_the_terminal_while_its_output_stays_ca
         name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"
     }  # -n, -v...
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "test_quiet.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "test_quiet.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout
     assert "[heartbeat] still running: test_quiet.py::test_quiet (" in done.stdout
     assert "captured" not in done.stdout  # the test's own output: captured, as ever

@@ -33,11 +33,16 @@ def module_commands() -> dict[str, tuple[str, ...]]:
 
 MODULES = module_commands()
 COMMANDS = {  # by the command line shown: (module run as __main__, its argv)
-    **{f"python -m {module} {flag}": (module, [module, flag])
-       for module, flags in MODULES.items() for flag in flags},
-    **{f"{COMMAND} {args}": (f"{PACKAGE}.launch", [COMMAND, *args.split()])
-       for args in ("--help", "-h", "train --help", "train -h")},
-}  # fmt: skip
+    **{
+        f"python -m {module} {flag}": (module, [module, flag])
+        for module, flags in MODULES.items()
+        for flag in flags
+    },
+    **{
+        f"{COMMAND} {args}": (f"{PACKAGE}.launch", [COMMAND, *args.split()])
+        for args in ("--help", "-h", "train --help", "train -h")
+    },
+}
 # Runs each command as `python -m` does (runpy, as __main__, with its argv), one after the other
 # in one fresh interpreter: each in an empty folder of its own, its exit code and output kept. A
 # process each would pay torch's import 21 times over (45 CPU-seconds) to test what argparse,
@@ -63,10 +68,17 @@ print(json.dumps(answers))
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Each command's answer, and the folder it ran in (empty before)."""
-    asked = {name: (module, argv, str(tmp_path_factory.mktemp("help")))
-             for name, (module, argv) in COMMANDS.items()}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", ASK, json.dumps(asked)], capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path_factory.mktemp("asker"))  # fmt: skip
+    asked = {
+        name: (module, argv, str(tmp_path_factory.mktemp("help")))
+        for name, (module, argv) in COMMANDS.items()
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ASK, json.dumps(asked)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path_factory.mktemp("asker"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.splitlines()[-1])
     return {

@@ -195,18 +195,36 @@ BAD = [
         "deploy.priority_class=high: a TrainJob cannot set it",
     ),
     ("deploy.queue=Team.A", "deploy.queue=Team.A: must be null or a Kueue LocalQueue name"),
-    ("deploy.lost_node_s=-1", "deploy.lost_node_s=-1: must be null (the cluster's 300 s) or seconds, 0 to 86400"),
+    (
+        "deploy.lost_node_s=-1",
+        "deploy.lost_node_s=-1: must be null (the cluster's 300 s) or seconds, 0 to 86400",
+    ),
     ("deploy.lost_node_s=86401", "deploy.lost_node_s=86401: must be null"),
-    ("deploy.lost_node_s=99999999999999999999999", "deploy.lost_node_s=99999999999999999999999: must be null"),
-    ("deploy.lost_node_s=1.5", "deploy.lost_node_s: Value '1.5' of type 'float' could not be converted to Integer"),
-    ("deploy.lost_node_s=''", "deploy.lost_node_s: Value '' of type 'str' could not be converted to Integer"),
-    ("deploy.lost_node_s=true", "deploy.lost_node_s: Value 'True' of type 'bool' could not be converted"),
-    ("deploy.lost_node_s=[]", "deploy.lost_node_s: Value '[]' of type 'list' could not be converted"),
+    (
+        "deploy.lost_node_s=99999999999999999999999",
+        "deploy.lost_node_s=99999999999999999999999: must be null",
+    ),
+    (
+        "deploy.lost_node_s=1.5",
+        "deploy.lost_node_s: Value '1.5' of type 'float' could not be converted to Integer",
+    ),
+    (
+        "deploy.lost_node_s=''",
+        "deploy.lost_node_s: Value '' of type 'str' could not be converted to Integer",
+    ),
+    (
+        "deploy.lost_node_s=true",
+        "deploy.lost_node_s: Value 'True' of type 'bool' could not be converted",
+    ),
+    (
+        "deploy.lost_node_s=[]",
+        "deploy.lost_node_s: Value '[]' of type 'list' could not be converted",
+    ),
     (
         "deploy.tolerations=[{key:node.kubernetes.io/not-ready,operator:Exists,effect:NoExecute,tolerationSeconds:5}]",
         "deploy.tolerations[0].key=node.kubernetes.io/not-ready: set deploy.lost_node_s instead",
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("overrides", "message"), BAD, ids=[o[:80] for o, _ in BAD])
@@ -363,9 +381,13 @@ def objects(compose_train, *overrides: str) -> dict:
 
 def test_requests_and_limits_scale_with_the_gpus(compose_train):
     deploy = deploy_of(
-        compose_train, "deploy.gpus_per_node=3", "deploy.cpu_per_gpu=1500m",
-        "deploy.memory_per_gpu=10Gi", "deploy.shm_size=1536Mi", "deploy.ephemeral_storage=20Gi",
-    )  # fmt: skip
+        compose_train,
+        "deploy.gpus_per_node=3",
+        "deploy.cpu_per_gpu=1500m",
+        "deploy.memory_per_gpu=10Gi",
+        "deploy.shm_size=1536Mi",
+        "deploy.ephemeral_storage=20Gi",
+    )
     assert pods.container_resources(deploy) == {
         "requests": {"cpu": "4500m", "memory": "32256Mi", "ephemeral-storage": "20Gi"},
         "limits": {"nvidia.com/gpu": 3, "memory": "32256Mi"},  # 3 x 10Gi + /dev/shm
@@ -414,8 +436,19 @@ def test_make_k8s_apply_finds_each_flavors_pods_where_its_controller_reads_them(
     assert len({f.kind for f in FLAVORS.values()}) == len(FLAVORS)  # apply finds the entry by kind
 
 
-ZONE_AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]}]}}}  # fmt: skip
+ZONE_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {
+                    "matchExpressions": [
+                        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}
+                    ]
+                }
+            ]
+        }
+    }
+}
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -423,15 +456,20 @@ def test_label_and_selector_values_reach_the_manifest_as_written(compose_train, 
     """YAML and Hydra type `true` and `2`; the GPU operator's label is `true`, not Python's 'True'.
     A quoted '1.10' stays text. Both on the command line and in a YAML file the user edits."""
     found = objects(
-        compose_train, f"deploy.flavor={flavor}", "+deploy.node_selector={nvidia.com/gpu.present:true}",
-        "deploy.pod_labels={version:'1.10',tier:2,spot:false}", "deploy.pod_annotations={rev:3}",
-    )  # fmt: skip
+        compose_train,
+        f"deploy.flavor={flavor}",
+        "+deploy.node_selector={nvidia.com/gpu.present:true}",
+        "deploy.pod_labels={version:'1.10',tier:2,spot:false}",
+        "deploy.pod_annotations={rev:3}",
+    )
     pod, workload = pod_and_workload(found, flavor)
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     metadata = pod_template(workload, flavor)["metadata"]
     assert {k: metadata["labels"][k] for k in ("version", "tier", "spot")} == {
-        "version": "1.10", "tier": "2", "spot": "false",
-    }  # fmt: skip
+        "version": "1.10",
+        "tier": "2",
+        "spot": "false",
+    }
     assert metadata["annotations"] == {"rev": "3"}
     configs = tmp_path / "configs"
     for group in ("deploy", "nccl"):
@@ -450,18 +488,21 @@ def test_env_and_secrets_reach_the_trainer_on_every_flavor_and_no_secret_value_i
     """The W&B example: its project in the clear, its key from a Secret by name."""
     trainjob = ("deploy.rdzv_port=29500",) if flavor == "trainjob" else ()
     found = objects(
-        compose_train, f"deploy.flavor={flavor}", *trainjob,
+        compose_train,
+        f"deploy.flavor={flavor}",
+        *trainjob,
         "deploy.env={WANDB_PROJECT:vision,MLFLOW_TRACKING_URI:'http://mlflow:5000',WANDB_SILENT:true}",
         "deploy.secret_env={WANDB_API_KEY:wandb/api-key,MLFLOW_TRACKING_TOKEN:mlflow/token}",
-    )  # fmt: skip
+    )
     env = trainer_container(flavor, found[f"{flavor}.yaml"])["env"]
     by_name = {e["name"]: e for e in env}
     assert by_name["WANDB_PROJECT"] == {"name": "WANDB_PROJECT", "value": "vision"}
     assert by_name["MLFLOW_TRACKING_URI"]["value"] == "http://mlflow:5000"
     assert by_name["WANDB_SILENT"]["value"] == "true"
     assert by_name["WANDB_API_KEY"] == {
-        "name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
-    }  # fmt: skip
+        "name": "WANDB_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}},
+    }
     assert by_name["MLFLOW_TRACKING_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "mlflow",
         "key": "token",
@@ -473,15 +514,23 @@ def test_env_and_secrets_reach_the_trainer_on_every_flavor_and_no_secret_value_i
 def test_scheduling_values_land_where_each_controller_reads_them(compose_train, flavor):
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     found = objects(
-        compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany", "deploy.queue=team-a",
+        compose_train,
+        f"deploy.flavor={flavor}",
+        "deploy.nodes=2",
+        "deploy.runs_access_mode=ReadWriteMany",
+        "deploy.queue=team-a",
         "deploy.tolerations=[{key:nvidia.com/gpu,operator:Exists,effect:NoSchedule}]",
-        "+deploy.node_selector={nvidia.com/gpu.product:H100}", "deploy.active_deadline_s=3600",
+        "+deploy.node_selector={nvidia.com/gpu.product:H100}",
+        "deploy.active_deadline_s=3600",
         "deploy.affinity.nodeAffinity={requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: "
         "[{matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [a]}]}]}}",
-        "deploy.one_pod_per_node=true", "deploy.image_pull_secrets=[ghcr-pull]", "deploy.guaranteed=true",
-        "deploy.queue_priority=high", "deploy.topology=cloud.provider.com/topology-rack",
+        "deploy.one_pod_per_node=true",
+        "deploy.image_pull_secrets=[ghcr-pull]",
+        "deploy.guaranteed=true",
+        "deploy.queue_priority=high",
+        "deploy.topology=cloud.provider.com/topology-rack",
         *([] if flavor == "trainjob" else ["deploy.priority_class=training"]),
-    )  # fmt: skip
+    )
     pod, workload = pod_and_workload(found, flavor)
     assert workload["metadata"]["labels"][meta.QUEUE_LABEL] == "team-a"
     assert workload["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"
@@ -491,8 +540,16 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
     assert pod["tolerations"] == [*lost_node_tolerations(60), toleration]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     name = workload["metadata"]["name"]
-    assert pod["affinity"] == ZONE_AFFINITY | {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": name}}, "topologyKey": "kubernetes.io/hostname"}]}}  # fmt: skip
+    assert pod["affinity"] == ZONE_AFFINITY | {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/name": name}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
     assert pod["imagePullSecrets"] == [{"name": "ghcr-pull"}]
     resources = (
         workload["spec"]["trainer"]["resourcesPerNode"]
@@ -511,9 +568,11 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
     assert pod["automountServiceAccountToken"] is False
     deadline = {
         "job": lambda w: w["spec"]["activeDeadlineSeconds"],
-        "jobset": lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["activeDeadlineSeconds"],
+        "jobset": lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"][
+            "activeDeadlineSeconds"
+        ],
         "pytorchjob": lambda w: w["spec"]["runPolicy"]["activeDeadlineSeconds"],
-    }[flavor]  # fmt: skip
+    }[flavor]
     assert deadline(workload) == 3600
 
 
@@ -532,9 +591,14 @@ def lost_node_tolerations(seconds: int) -> list[dict]:
     """A pod's tolerations of the taints the node lifecycle controller puts on a node that stops
     answering (k8s.io/api/core/v1: TaintNodeUnreachable, TaintNodeNotReady), NoExecute."""
     return [
-        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+        {
+            "key": f"node.kubernetes.io/{taint}",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": seconds,
+        }
         for taint in ("unreachable", "not-ready")
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -575,7 +639,7 @@ def test_the_render_says_what_a_lost_node_needs_from_the_operator(compose_train,
         "jobset": "podReplacementPolicy Failed",
         "pytorchjob": "only once the old pod is gone",
         "trainjob": "podReplacementPolicy TerminatingOrFailed",
-    }[flavor]  # fmt: skip
+    }[flavor]
     assert expected in note
     null = render.notes(
         deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.lost_node_s=null")
@@ -587,10 +651,16 @@ def test_the_render_says_what_a_lost_node_needs_from_the_operator(compose_train,
 # flavor: what its controller needs and cannot set, what follows the logs, what a companion is.
 FOLLOW = "#   make k8s-apply && kubectl logs -f -l app.kubernetes.io/name=demo"
 HEADERS = {
-    "job": {"job.yaml": ["#   make k8s-apply && kubectl logs -f job/demo"],
-            "service.yaml": ["# The headless Service that names each pod of the Indexed Job: demo-<index>.demo"]},
+    "job": {
+        "job.yaml": ["#   make k8s-apply && kubectl logs -f job/demo"],
+        "service.yaml": [
+            "# The headless Service that names each pod of the Indexed Job: demo-<index>.demo"
+        ],
+    },
     "jobset": {"jobset.yaml": ["# Needs the JobSet controller (jobset.x-k8s.io).", FOLLOW]},
-    "pytorchjob": {"pytorchjob.yaml": ["# Needs the Kubeflow training operator (kubeflow.org/v1).", FOLLOW]},
+    "pytorchjob": {
+        "pytorchjob.yaml": ["# Needs the Kubeflow training operator (kubeflow.org/v1).", FOLLOW]
+    },
     "trainjob": {
         "trainjob.yaml": [
             "# Needs Kubeflow Trainer v2 (trainer.kubeflow.org) and its torch-distributed ClusterTrainingRuntime.",
@@ -598,23 +668,33 @@ HEADERS = {
             "deploy.ttl_after_finished_s do not apply).",
             FOLLOW,
         ],
-        "serviceaccount.yaml": ["# The pods' ServiceAccount, without an API token: a TrainJob cannot set "
-                                "automountServiceAccountToken on its pods."],
+        "serviceaccount.yaml": [
+            "# The pods' ServiceAccount, without an API token: a TrainJob cannot set "
+            "automountServiceAccountToken on its pods."
+        ],
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_each_file_says_what_it_holds_and_what_its_controller_needs(compose_train, flavor):
-    deploy = deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.name=demo", "deploy.nodes=2",
-                       "deploy.gpus_per_node=2", "deploy.runs_access_mode=ReadWriteMany",
-                       *(["deploy.rdzv_port=29500"] if flavor == "trainjob" else []))  # fmt: skip
+    deploy = deploy_of(
+        compose_train,
+        f"deploy.flavor={flavor}",
+        "deploy.name=demo",
+        "deploy.nodes=2",
+        "deploy.gpus_per_node=2",
+        "deploy.runs_access_mode=ReadWriteMany",
+        *(["deploy.rdzv_port=29500"] if flavor == "trainjob" else []),
+    )
     generated = f"# Generated by `python -m {PACKAGE}.k8s` from configs/ (deploy, nccl): edit those, regenerate."
     shape = "# 2 pods, one per node, each with 2 GPUs and one torchrun; 4 processes in all."
     claim = "# Storage for run dirs (logs, metrics, checkpoints) that outlives any one pod."
     expected = {"runs-pvc.yaml": [claim]}
-    expected |= {file: [shape, *lines] if file == f"{flavor}.yaml" else lines
-                 for file, lines in HEADERS[flavor].items()}  # fmt: skip
+    expected |= {
+        file: [shape, *lines] if file == f"{flavor}.yaml" else lines
+        for file, lines in HEADERS[flavor].items()
+    }
     found = {
         file: list(itertools.takewhile(lambda line: line.startswith("#"), text.splitlines()))
         for file, text in render.manifests(deploy, {}).items()
@@ -718,13 +798,22 @@ def test_a_queue_label_kueue_may_not_read_is_named(compose_train, flavor):
     trainjob = ("deploy.rdzv_port=29500",) if flavor == "trainjob" else ()
     queued = deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.queue=team-a", *trainjob)
     note = render.admission_note(queued)
-    assert note == (None if opt_in is None else (
-        f"note: deploy.queue=team-a: Kueue manages a {FLAVORS[flavor].kind} only where the platform enabled "
-        f"its {opt_in} integration (Kueue's Configuration, integrations.frameworks); elsewhere the queue "
-        "label does nothing and the pods start unadmitted"
-    ))  # fmt: skip
-    several = deploy_of(compose_train, f"deploy.flavor={flavor}", "deploy.nodes=2",
-                        "deploy.runs_access_mode=ReadWriteMany", *trainjob)  # fmt: skip
+    assert note == (
+        None
+        if opt_in is None
+        else (
+            f"note: deploy.queue=team-a: Kueue manages a {FLAVORS[flavor].kind} only where the platform enabled "
+            f"its {opt_in} integration (Kueue's Configuration, integrations.frameworks); elsewhere the queue "
+            "label does nothing and the pods start unadmitted"
+        )
+    )
+    several = deploy_of(
+        compose_train,
+        f"deploy.flavor={flavor}",
+        "deploy.nodes=2",
+        "deploy.runs_access_mode=ReadWriteMany",
+        *trainjob,
+    )
     assert (opt_in is not None) == (f"its {opt_in} integration" in render.admission_note(several))
 
 
@@ -761,22 +850,32 @@ NO_HOST = (
 )
 POINT_IT = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
 REACHED_NONE = [
-    (REFUSED_AT.format(server="https://127.0.0.1:1", address="127.0.0.1:1"),
-     'no API server reachable at https://127.0.0.1:1 (connection refused), the server of '
-     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
-    (MEMCACHE.format(server="https://10.1.2.3:6443", address="10.1.2.3:6443"),
-     'no API server reachable at https://10.1.2.3:6443 (connection refused), the server of '
-     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
-    (NO_HOST,
-     'no API server reachable at https://gpu.example.invalid:6443 (no such host), the server of '
-     f'kubectl\'s context "lab"; start it, or {POINT_IT}'),
-    ("Unable to connect to the server: dial tcp 10.9.9.9:443: i/o timeout",
-     'no API server reachable at 10.9.9.9:443 (i/o timeout), the server of kubectl\'s context '
-     f'"lab"; start it, or {POINT_IT}'),
-    ("error: Error in configuration: context was not found for specified context: nope",
-     f"kubectl's kubeconfig is unusable (Error in configuration: context was not found for "
-     f"specified context: nope); {POINT_IT}"),
-]  # fmt: skip
+    (
+        REFUSED_AT.format(server="https://127.0.0.1:1", address="127.0.0.1:1"),
+        "no API server reachable at https://127.0.0.1:1 (connection refused), the server of "
+        f'kubectl\'s context "lab"; start it, or {POINT_IT}',
+    ),
+    (
+        MEMCACHE.format(server="https://10.1.2.3:6443", address="10.1.2.3:6443"),
+        "no API server reachable at https://10.1.2.3:6443 (connection refused), the server of "
+        f'kubectl\'s context "lab"; start it, or {POINT_IT}',
+    ),
+    (
+        NO_HOST,
+        "no API server reachable at https://gpu.example.invalid:6443 (no such host), the server of "
+        f'kubectl\'s context "lab"; start it, or {POINT_IT}',
+    ),
+    (
+        "Unable to connect to the server: dial tcp 10.9.9.9:443: i/o timeout",
+        "no API server reachable at 10.9.9.9:443 (i/o timeout), the server of kubectl's context "
+        f'"lab"; start it, or {POINT_IT}',
+    ),
+    (
+        "error: Error in configuration: context was not found for specified context: nope",
+        f"kubectl's kubeconfig is unusable (Error in configuration: context was not found for "
+        f"specified context: nope); {POINT_IT}",
+    ),
+]
 ANSWERED = [
     'Error from server (NotFound): error when creating "STDIN": namespaces "team-b" not found',
     'Error from server (InternalError): error when creating "STDIN": Internal error occurred: '
@@ -805,9 +904,11 @@ def test_kubectl_without_a_kubeconfig_is_told_so(kubeconfig, tmp_path, monkeypat
     if kubeconfig:
         monkeypatch.setenv("KUBECONFIG", str(tmp_path / kubeconfig))
     said = REFUSED_AT.format(server="http://localhost:8080", address="127.0.0.1:8080")
-    why = f"KUBECONFIG={tmp_path / kubeconfig} names no file" if kubeconfig else (
-        "KUBECONFIG is unset and ~/.kube/config does not exist"
-    )  # fmt: skip
+    why = (
+        f"KUBECONFIG={tmp_path / kubeconfig} names no file"
+        if kubeconfig
+        else ("KUBECONFIG is unset and ~/.kube/config does not exist")
+    )
     assert apply.no_server_reached(said) == (
         f"no API server: kubectl has no kubeconfig ({why}), so it tried localhost:8080 "
         f"(connection refused); {POINT_IT}"
@@ -860,10 +961,13 @@ def test_rdma_and_platform_settings_reach_each_flavors_pods(compose_train, flavo
     plugin's resource (requested and limited, as extended resources must be), IPC_LOCK, and a
     Multus network annotation; with a label for cost tracking."""
     found = objects(
-        compose_train, f"deploy.flavor={flavor}", "deploy.extra_resources={rdma/rdma_shared_device_a:1}",
-        "deploy.capabilities=[IPC_LOCK]", "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks:ib-net}",
+        compose_train,
+        f"deploy.flavor={flavor}",
+        "deploy.extra_resources={rdma/rdma_shared_device_a:1}",
+        "deploy.capabilities=[IPC_LOCK]",
+        "deploy.pod_annotations={k8s.v1.cni.cncf.io/networks:ib-net}",
         "deploy.pod_labels.team=vision",
-    )  # fmt: skip
+    )
     pod, workload = pod_and_workload(found, flavor)
     resources = (
         workload["spec"]["trainer"]["resourcesPerNode"]

@@ -37,10 +37,14 @@ PLATFORM = (
 def rendered(flavor: str, nodes: int, *overrides: str) -> tuple[dict, list[dict]]:
     """The training workload and the doctor's objects, from one composed config."""
     config = check.compose_and_check(
-        [f"deploy.flavor={flavor}", f"deploy.nodes={nodes}",
-         "deploy.runs_access_mode=ReadWriteMany", *overrides],
+        [
+            f"deploy.flavor={flavor}",
+            f"deploy.nodes={nodes}",
+            "deploy.runs_access_mode=ReadWriteMany",
+            *overrides,
+        ],
         this_node=False,
-    )  # fmt: skip
+    )
     deploy, profile = render.deploy_and_profile(config)
     training = yaml.safe_load(render.manifests(deploy, nccl_env(profile))[f"{flavor}.yaml"])
     return training, k8s_doctor.objects(deploy, profile)
@@ -121,22 +125,36 @@ def doctor_cli(
     *args: str, path: str | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"PATH": path} if path is not None else {})}
-    return subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s.doctor", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s.doctor", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--wait-s", "abc"], "argument --wait-s: must be a number of seconds above 0 and at most a week; got 'abc'"),
-        (["--wait-s", "0"], "argument --wait-s: must be a number of seconds above 0 and at most a week; got '0'"),
-        (["--wait-s", ""], "argument --wait-s: must be a number of seconds above 0 and at most a week; got ''"),
+        (
+            ["--wait-s", "abc"],
+            "argument --wait-s: must be a number of seconds above 0 and at most a week; got 'abc'",
+        ),
+        (
+            ["--wait-s", "0"],
+            "argument --wait-s: must be a number of seconds above 0 and at most a week; got '0'",
+        ),
+        (
+            ["--wait-s", ""],
+            "argument --wait-s: must be a number of seconds above 0 and at most a week; got ''",
+        ),
         (["--wait-s", "1e308"], "at most a week; got '1e308'"),
         (["--wait-s", "nan"], "at most a week; got 'nan'"),
         (["deploy.nodes=0"], "config error: deploy.nodes"),
         (["deploy.nodes=abc"], "config error: deploy.nodes"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_k8s_doctor_argument_is_one_line(args, says):
     done = doctor_cli(*args)
     lines = done.stderr.strip().splitlines()
@@ -157,14 +175,25 @@ def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
         pytest.skip("no kubectl here for the no-cluster case")
     config = tmp_path / "kubeconfig"
     port = free_port()
-    config.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "gone",
-        "clusters": [{"name": "gone", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
-        "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-    }))  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", f"{PACKAGE}.k8s.doctor"], capture_output=True, text=True,
-                          env={**os.environ, "KUBECONFIG": str(config)}, timeout=180)  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "gone",
+                "clusters": [{"name": "gone", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+                "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+            }
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.k8s.doctor"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KUBECONFIG": str(config)},
+        timeout=180,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     assert lines[0].startswith(
@@ -176,22 +205,48 @@ def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--nnodes", "2"], "--nnodes 2: --master-addr and --master-port must say where node 0's doctor listens"),
-        (["--nnodes", "2", "--master-addr", "h", "--master-port", "1", "--node-rank", "2"],
-         "--node-rank 2: must be below --nnodes 2"),
+        (
+            ["--nnodes", "2"],
+            "--nnodes 2: --master-addr and --master-port must say where node 0's doctor listens",
+        ),
+        (
+            ["--nnodes", "2", "--master-addr", "h", "--master-port", "1", "--node-rank", "2"],
+            "--node-rank 2: must be below --nnodes 2",
+        ),
         (["--nnodes", "0"], "argument --nnodes: must be a whole number, at least 1; got '0'"),
-        (["--master-port", "65535"], "argument --master-port: must be 1 to 65534 (the next port is used too); got '65535'"),
-        (["--master-port", "x"], "argument --master-port: must be a whole number, at least 1; got 'x'"),
-        (["--master-addr", ""], "argument --master-addr: must be a host name or address, one word; got ''"),
-        (["--master-addr", "a b"], "argument --master-addr: must be a host name or address, one word; got 'a b'"),
-        (["--master-addr", "h" * 254], "argument --master-addr: must be a host name or address, one word"),
-        (["--training-vars", "LD_PRELOAD"], "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; got 'LD_PRELOAD'"),
+        (
+            ["--master-port", "65535"],
+            "argument --master-port: must be 1 to 65534 (the next port is used too); got '65535'",
+        ),
+        (
+            ["--master-port", "x"],
+            "argument --master-port: must be a whole number, at least 1; got 'x'",
+        ),
+        (
+            ["--master-addr", ""],
+            "argument --master-addr: must be a host name or address, one word; got ''",
+        ),
+        (
+            ["--master-addr", "a b"],
+            "argument --master-addr: must be a host name or address, one word; got 'a b'",
+        ),
+        (
+            ["--master-addr", "h" * 254],
+            "argument --master-addr: must be a host name or address, one word",
+        ),
+        (
+            ["--training-vars", "LD_PRELOAD"],
+            "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; got 'LD_PRELOAD'",
+        ),
         (["--training-profile", "fast"], "argument --training-profile: invalid choice: 'fast'"),
-        (["--join-timeout-s", "inf"], "argument --join-timeout-s: must be a number of seconds above 0; got 'inf'"),
+        (
+            ["--join-timeout-s", "inf"],
+            "argument --join-timeout-s: must be a number of seconds above 0; got 'inf'",
+        ),
         (["--node-rank", "1"], "--node-rank: only with --nnodes 2 or more, or --training-profile"),
         (["--profiles", "infiniband"], "--profiles infiniband: on one node it acts as auto"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_nodes_argument_of_the_doctor_is_one_line(monkeypatch, capsys, args, says):
     monkeypatch.setattr(sys, "argv", ["doctor", *args])
     with pytest.raises(SystemExit) as stop:
@@ -221,7 +276,7 @@ def launch_doctor(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for index, host in enumerate(hosts(names))
     ]
 
@@ -266,8 +321,10 @@ def test_a_training_profile_that_fails_across_nodes_fails_the_doctor_and_names_t
     assert "fails" in socket_row and "Unable to find address for: nosuch0" in socket_row
     (auto_row,) = [line for line in table.splitlines() if line.startswith("auto ")]
     assert "works" in auto_row
-    assert ("Verdict: nccl=socket does not work across 2 nodes: do not start training (exit 1). "
-            "nccl=auto works, the fastest that does: make k8s-render ARGS=nccl=auto") in table  # fmt: skip
+    assert (
+        "Verdict: nccl=socket does not work across 2 nodes: do not start training (exit 1). "
+        "nccl=auto works, the fastest that does: make k8s-render ARGS=nccl=auto"
+    ) in table
 
 
 def test_a_profile_works_across_nodes_only_where_it_worked_on_every_node():
@@ -313,9 +370,20 @@ def listening(port: int) -> bool:
 
 def doctor_node(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", f"{PACKAGE}.doctor", "--nnodes", "2", "--master-addr", "localhost", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            f"{PACKAGE}.doctor",
+            "--nnodes",
+            "2",
+            "--master-addr",
+            "localhost",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -359,22 +427,31 @@ def test_k8s_doctor_stops_at_ctrl_c_in_one_line_naming_what_may_be_left(tmp_path
     (bin_dir / "kubectl").write_text("#!/bin/sh\nsleep 60\n")
     (bin_dir / "kubectl").chmod(0o755)
     path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
-    running = subprocess.Popen([sys.executable, "-m", f"{PACKAGE}.k8s.doctor"], env={**os.environ, "PATH": path},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    running = subprocess.Popen(
+        [sys.executable, "-m", f"{PACKAGE}.k8s.doctor"],
+        env={**os.environ, "PATH": path},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(10)  # the config composed; kubectl's dry run under way
     running.send_signal(signal.SIGINT)
     out, err = running.communicate(timeout=30)
     assert running.returncode == 130, out + err
-    assert err == ("make k8s-doctor: stopped by SIGINT; job/ddp-project-doctor may be running: "
-                   "kubectl delete -n default job/ddp-project-doctor stops it\n")  # fmt: skip
+    assert err == (
+        "make k8s-doctor: stopped by SIGINT; job/ddp-project-doctor may be running: "
+        "kubectl delete -n default job/ddp-project-doctor stops it\n"
+    )
 
 
 def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path):
     """A profile's torchrun runs in its own session (the hard timeout kills its group), so the
     terminal's SIGINT never reaches it: the doctor's Ctrl-C must take it down too."""
     pid_file = tmp_path / "child.pid"
-    code = (f"from {PACKAGE}.nccl import probe; "
-            f"probe.run_with_hard_timeout(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 300'], 600)")  # fmt: skip
+    code = (
+        f"from {PACKAGE}.nccl import probe; "
+        f"probe.run_with_hard_timeout(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 300'], 600)"
+    )
     caller = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not pid_file.exists() or not pid_file.read_text().strip():
@@ -398,8 +475,14 @@ def test_the_one_node_doctor_jobs_command_gives_the_verdict_on_trainings_profile
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env |= {v["name"]: v["value"] for v in container["env"] if "value" in v}
     args = [a if a != "29500" else str(free_port()) for a in container["args"]]
-    done = subprocess.run([*container["command"], *args, "--timeout-s", "120"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [*container["command"], *args, "--timeout-s", "120"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [
         line.split()[0]

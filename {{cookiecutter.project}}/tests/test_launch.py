@@ -176,18 +176,36 @@ def test_the_run_dir_of_a_multi_node_launch_is_read_as_hydra_reads_it(override, 
 
 
 def test_torchrun_options_and_overrides_are_told_apart_by_torchruns_own_parser():
-    args = ["--nproc-per-node", "2", "--rdzv-conf", "join_timeout=5", "--standalone",
-            "--max-restarts=1", "trainer.lr=0.1", "hydra.run.dir=x"]  # fmt: skip
+    args = [
+        "--nproc-per-node",
+        "2",
+        "--rdzv-conf",
+        "join_timeout=5",
+        "--standalone",
+        "--max-restarts=1",
+        "trainer.lr=0.1",
+        "hydra.run.dir=x",
+    ]
     options, overrides = torchrun_args.split(args, TORCHRUN)
     assert options == args[:6] and overrides == ["trainer.lr=0.1", "hydra.run.dir=x"]
 
 
 def start(tmp_path: Path, *args: str, options: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen(
-        launch_command(*options, "trainer.max_steps=100000000", "trainer.log_every=5", "hydra.run.dir=run", *args),
-        cwd=tmp_path, env=users_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        launch_command(
+            *options,
+            "trainer.max_steps=100000000",
+            "trainer.log_every=5",
+            "hydra.run.dir=run",
+            *args,
+        ),
+        cwd=tmp_path,
+        env=users_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def zombie(pid: int) -> bool:
@@ -226,8 +244,15 @@ def good_run(request) -> SimpleNamespace:
     steps = (stopped_at // 10 + 2) * 10  # 10 to 20 steps more, a checkpoint at the last
     # One worker (two are the killed run's, before, and the diverging run's, below)
     done = launch(cwd, "--nproc-per-node", "1", f"trainer.max_steps={steps}", *COMMON)
-    return SimpleNamespace(cwd=cwd, workers=workers, outlived_s=outlived_s, saved=saved,
-                           stopped_at=stopped_at, steps=steps, done=done)  # fmt: skip
+    return SimpleNamespace(
+        cwd=cwd,
+        workers=workers,
+        outlived_s=outlived_s,
+        saved=saved,
+        stopped_at=stopped_at,
+        steps=steps,
+        done=done,
+    )
 
 
 @pytest.mark.slow
@@ -263,8 +288,13 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_the_good_checkpoints(good_r
     shutil.copytree(good_run.cwd / "run", tmp_path / "run")
     good = {p.name: p.read_bytes() for p in checkpoint.checkpoint_paths(tmp_path / "run")}
     last = good_run.steps  # the good run's last step, and its newest checkpoint
-    done = launch(tmp_path, f"trainer.max_steps={last + 40}", "trainer.lr=1e30",
-                  "trainer.accept_changes=[trainer.lr]", *COMMON)  # fmt: skip
+    done = launch(
+        tmp_path,
+        f"trainer.max_steps={last + 40}",
+        "trainer.lr=1e30",
+        "trainer.accept_changes=[trainer.lr]",
+        *COMMON,
+    )
     assert done.returncode == 4
     assert stderr_lines(done.stderr) == [
         f"training diverged: step {last + 5}: the loss is not finite; nothing was saved from it. "
@@ -659,15 +689,24 @@ def test_a_stop_at_any_moment_of_a_launch_is_one_line(tmp_path, moment, signum):
     marks.mkdir()
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(LAUNCH_HOOK)
-    env = {**users_env(), **dict(given.env), "LAUNCH_MARKS": str(marks),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **users_env(),
+        **dict(given.env),
+        "LAUNCH_MARKS": str(marks),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+    }
     steps = given.overrides or ("trainer.max_steps=100000000",)
     process = subprocess.Popen(
-        launch_command("--nproc-per-node", str(given.nproc), "hydra.run.dir=run",
-                       "trainer.log_every=5", *steps),
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        launch_command(
+            "--nproc-per-node", str(given.nproc), "hydra.run.dir=run", "trainer.log_every=5", *steps
+        ),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     workers: dict[int, str] = {}  # pid -> RANK
     try:
         deadline = time.monotonic() + 240
@@ -711,9 +750,13 @@ def test_ctrl_c_while_a_lone_worker_starts_is_one_line(tmp_path, moment):
     """`python -m <package>.train` without torchrun: its own one line, exit 130. While it
     composed, before Hydra set up logging, the line came from logging's last resort."""
     process = subprocess.Popen(
-        [sys.executable, "-m", f"{PACKAGE}.train", "hydra.run.dir=run"], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", f"{PACKAGE}.train", "hydra.run.dir=run"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (
@@ -796,20 +839,33 @@ def memory_config(batch_size, async_checkpoint=False):
 def test_a_worker_killed_for_memory_is_named_with_the_figures_and_a_smaller_setting():
     config = memory_config(8)
     line = oom.memory_line(
-        0, 41, held=int(11.8 * GIB), total=int(23.5 * GIB), limit=(24 * GIB, "this machine has"),
-        evidence=True, config=config, local_size=2,
-    )  # fmt: skip
+        0,
+        41,
+        held=int(11.8 * GIB),
+        total=int(23.5 * GIB),
+        limit=(24 * GIB, "this machine has"),
+        evidence=True,
+        config=config,
+        local_size=2,
+    )
     assert line == (
         "rank 0 (pid 41) was killed for memory: it held 11.8 GiB (this node's 2 processes "
         "23.5 GiB) of the 24.0 GiB this machine has; try data.batch_size=4 or --nproc-per-node 1"
     )
     one = oom.memory_line(
-        1, 42, held=None, total=None, limit=(GIB // 2, "its cgroup (container) allows"),
-        evidence=True, config=memory_config(1, async_checkpoint=True), local_size=1,
-    )  # fmt: skip
+        1,
+        42,
+        held=None,
+        total=None,
+        limit=(GIB // 2, "its cgroup (container) allows"),
+        evidence=True,
+        config=memory_config(1, async_checkpoint=True),
+        local_size=1,
+    )
     assert one == "rank 1 (pid 42) was killed for memory: its cgroup (container) allows 0.5 GiB"
-    background = oom.memory_line(0, 41, GIB, GIB, (GIB, "this machine has"), True,
-                                 memory_config(1, async_checkpoint=True), 1)  # fmt: skip
+    background = oom.memory_line(
+        0, 41, GIB, GIB, (GIB, "this machine has"), True, memory_config(1, async_checkpoint=True), 1
+    )
     assert background.endswith(
         "; try trainer.async_checkpoint=false (rank 0 holds a host copy of the state)"
     )
@@ -860,10 +916,14 @@ def test_the_launcher_names_a_worker_killed_for_memory(tmp_path, monkeypatch, ca
 def test_the_memory_watch_sees_what_a_worker_holds():
     """The sampler, on a real child of this process that holds 200 MiB."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * "
-         "len(b[::4096]); print(flush=True); time.sleep(60)"],
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; b = bytearray(200 * 2**20); b[::4096] = b'x' * "
+            "len(b[::4096]); print(flush=True); time.sleep(60)",
+        ],
         stdout=subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         child.stdout.readline()  # allocated
         watch = oom.MemoryWatch(SimpleNamespace(), local_size=1)
@@ -922,8 +982,9 @@ print("done", flush=True)
 
 @pytest.mark.parametrize("hook", ["hooked", "python's"])
 def test_torchs_timer_joined_from_its_own_thread_prints_nothing_and_other_errors_still_do(hook):
-    done = subprocess.run([sys.executable, "-c", TIMER_RACE, hook], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", TIMER_RACE, hook], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr[-3000:]
     assert ("cannot join current thread" in done.stderr) == (hook != "hooked")
     assert "ZeroDivisionError" in done.stderr  # not the timer's: Python's hook prints it

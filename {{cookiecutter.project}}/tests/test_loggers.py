@@ -71,24 +71,69 @@ def closed_port() -> int:
 
 BAD = [
     ("logger=neptune", "logger=neptune: no such option; allowed: csv, mlflow, tensorboard, wandb"),
-    ("logger=[tensorboard,neptune]", "logger=neptune: no such option; allowed: csv, mlflow, tensorboard, wandb"),
-    ("logger=[tensorboard,wandbb]", "logger=wandbb: no such option; did you mean wandb? allowed: csv, mlflow,"),
-    ("logger.wandb.mode=online", "logger.wandb.mode=online: wandb is not among the chosen loggers; choose it as well, e.g. logger=[tensorboard,wandb]"),
-    ("logger=wandb logger.wandb.mode=loud", "logger.wandb.mode: Invalid value 'loud', expected one of [offline, online, disabled]"),
-    ("logger=wandb logger.wandb.project=", "logger.wandb.project='': must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :"),
+    (
+        "logger=[tensorboard,neptune]",
+        "logger=neptune: no such option; allowed: csv, mlflow, tensorboard, wandb",
+    ),
+    (
+        "logger=[tensorboard,wandbb]",
+        "logger=wandbb: no such option; did you mean wandb? allowed: csv, mlflow,",
+    ),
+    (
+        "logger.wandb.mode=online",
+        "logger.wandb.mode=online: wandb is not among the chosen loggers; choose it as well, e.g. logger=[tensorboard,wandb]",
+    ),
+    (
+        "logger=wandb logger.wandb.mode=loud",
+        "logger.wandb.mode: Invalid value 'loud', expected one of [offline, online, disabled]",
+    ),
+    (
+        "logger=wandb logger.wandb.project=",
+        "logger.wandb.project='': must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
+    ),
     ("logger=wandb logger.wandb.project=team/run", "logger.wandb.project='team/run': must be null"),
     (f"logger=wandb logger.wandb.project={'p' * 129}", "logger.wandb.project='ppp"),
-    ("logger=wandb logger.wandb.entity=' '", "logger.wandb.entity=' ': must be null (your default entity) or a name that is not blank"),
-    ("logger=wandb logger.wandb.tags=[ok,'']", "logger.wandb.tags=['ok', '']: each tag must be 1 to 64 characters"),
-    ("logger=mlflow logger.mlflow.experiment=''", "logger.mlflow.experiment='': must be null (this project's name) or a name that is not blank"),
-    ("logger=mlflow logger.mlflow.tracking_uri=mlflow:5000", "logger.mlflow.tracking_uri=mlflow:5000: mlflow scheme; use http(s)://host:port for a server, file:/absolute/path for a folder, or null for a file store in the run dir"),
-    ("logger=mlflow logger.mlflow.tracking_uri=ftp://host/x", "logger.mlflow.tracking_uri=ftp://host/x: ftp scheme; use http(s)://host:port"),
-    ("logger=mlflow logger.mlflow.tracking_uri=mlruns", "logger.mlflow.tracking_uri=mlruns: no scheme; use"),
-    ("logger=mlflow logger.mlflow.tracking_uri=file:mlruns", "logger.mlflow.tracking_uri=file:mlruns: not an absolute path; use"),
-    ("logger=mlflow logger.mlflow.tracking_uri=http://", "logger.mlflow.tracking_uri=http://: no host and port to reach; use"),
-    ("logger=mlflow logger.mlflow.tracking_uri=http://host:port", "logger.mlflow.tracking_uri=http://host:port: Port could not be cast to integer value as 'port'; use"),
-    ("logger=mlflow logger.mlflow.tracking_uri=http://host:70000", "logger.mlflow.tracking_uri=http://host:70000: Port out of range 0-65535; use"),
-]  # fmt: skip
+    (
+        "logger=wandb logger.wandb.entity=' '",
+        "logger.wandb.entity=' ': must be null (your default entity) or a name that is not blank",
+    ),
+    (
+        "logger=wandb logger.wandb.tags=[ok,'']",
+        "logger.wandb.tags=['ok', '']: each tag must be 1 to 64 characters",
+    ),
+    (
+        "logger=mlflow logger.mlflow.experiment=''",
+        "logger.mlflow.experiment='': must be null (this project's name) or a name that is not blank",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=mlflow:5000",
+        "logger.mlflow.tracking_uri=mlflow:5000: mlflow scheme; use http(s)://host:port for a server, file:/absolute/path for a folder, or null for a file store in the run dir",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=ftp://host/x",
+        "logger.mlflow.tracking_uri=ftp://host/x: ftp scheme; use http(s)://host:port",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=mlruns",
+        "logger.mlflow.tracking_uri=mlruns: no scheme; use",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=file:mlruns",
+        "logger.mlflow.tracking_uri=file:mlruns: not an absolute path; use",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=http://",
+        "logger.mlflow.tracking_uri=http://: no host and port to reach; use",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=http://host:port",
+        "logger.mlflow.tracking_uri=http://host:port: Port could not be cast to integer value as 'port'; use",
+    ),
+    (
+        "logger=mlflow logger.mlflow.tracking_uri=http://host:70000",
+        "logger.mlflow.tracking_uri=http://host:70000: Port out of range 0-65535; use",
+    ),
+]
 
 
 @pytest.mark.parametrize("overrides, message", BAD, ids=[case[0] for case in BAD])
@@ -203,10 +248,26 @@ class Recorder:
         self.closed = True
 
 
-ROW = {"step": 20, "max_steps": 60, "epoch": 0, "loss": 2.5, "accuracy": 0.25, "grad_norm": None,
-       "lr": 0.001, "samples_per_s": 900.0, "step_time_ms": 3.5, "comm_share": None, "world_size": 2,
-       "tokens_per_s": 900.0, "mfu": None, "peak_memory_gib": None, "val_loss": None,
-       "val_accuracy": None, "val_time_s": None, "checkpoint_s": 0.0}  # fmt: skip
+ROW = {
+    "step": 20,
+    "max_steps": 60,
+    "epoch": 0,
+    "loss": 2.5,
+    "accuracy": 0.25,
+    "grad_norm": None,
+    "lr": 0.001,
+    "samples_per_s": 900.0,
+    "step_time_ms": 3.5,
+    "comm_share": None,
+    "world_size": 2,
+    "tokens_per_s": 900.0,
+    "mfu": None,
+    "peak_memory_gib": None,
+    "val_loss": None,
+    "val_accuracy": None,
+    "val_time_s": None,
+    "checkpoint_s": 0.0,
+}
 
 
 def test_each_row_goes_to_every_logger_with_its_tags():
@@ -214,9 +275,15 @@ def test_each_row_goes_to_every_logger_with_its_tags():
     both = loggers.Loggers({"tensorboard": first, "wandb": second})
     both.log(ROW)
     both.close()
-    expected = {"train/loss": 2.5, "train/accuracy": 0.25, "train/lr": 0.001,
-                "perf/samples_per_s": 900.0, "perf/step_time_ms": 3.5, "perf/tokens_per_s": 900.0,
-                "perf/checkpoint_s": 0.0}  # fmt: skip
+    expected = {
+        "train/loss": 2.5,
+        "train/accuracy": 0.25,
+        "train/lr": 0.001,
+        "perf/samples_per_s": 900.0,
+        "perf/step_time_ms": 3.5,
+        "perf/tokens_per_s": 900.0,
+        "perf/checkpoint_s": 0.0,
+    }
     assert first.rows == second.rows == [expected]  # the columns not measured are left out
     assert first.closed and second.closed
 

@@ -78,8 +78,11 @@ def run(request):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(RECORD_WANDB)
     calls = tmp_path / "calls.jsonl"
-    env = {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WANDB_RECORD": str(calls),
-           "WANDB_SILENT": "true"}  # fmt: skip
+    env = {
+        "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}",
+        "WANDB_RECORD": str(calls),
+        "WANDB_SILENT": "true",
+    }
     done = torchrun(tmp_path, *LOGGED_RUN, f"hydra.run.dir={run_dir}", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout + done.stderr, calls
@@ -92,8 +95,14 @@ def default_run(request):
     tmp_path = shared_folder(request)
     controller, terminal = pty.openpty()
     command = train_command(*RUN, f"hydra.run.dir={tmp_path / 'run'}")
-    process = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal,
-                               stderr=terminal, env={**os.environ, "COLUMNS": "160"})  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        env={**os.environ, "COLUMNS": "160"},
+    )
     os.close(terminal)
     chunks = []
     while True:
@@ -112,8 +121,14 @@ def default_run(request):
 def one_process_csv(request) -> Path:
     """A run on one process with logger=csv: `python -m <package>.train`, without torchrun."""
     tmp_path = shared_folder(request)
-    command = [sys.executable, "-m", f"{PACKAGE}.train", *RUN, "logger=csv",
-               f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        f"{PACKAGE}.train",
+        *RUN,
+        "logger=csv",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "run"
@@ -272,8 +287,11 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(resumed):
     row per step, the second run's (its max_steps is 80)."""
     assert "resumed from the checkpoint of step 40" in (resumed / "train.log").read_text()
     assert [(row["step"], row["max_steps"]) for row in metrics.read_rows(resumed)] == [
-        (20, 60), (40, 60), (60, 80), (80, 80)
-    ]  # fmt: skip
+        (20, 60),
+        (40, 60),
+        (60, 80),
+        (80, 80),
+    ]
     assert [row["step"] for row in read_metrics(resumed)] == [20, 40, 60, 80]
     events = EventAccumulator(str(resumed / "tensorboard"))
     events.Reload()
@@ -325,9 +343,34 @@ def csv_row(step: int) -> str:
 
 
 def json_row(step: int) -> str:
-    return json.dumps(dict(zip(metrics.COLUMNS, [step, 60, 0, 2.0 - step / 100, 0.5, None, 0.003,
-                                                   900.0, 3.5, None, 2, 900.0, None, None, None, None, None, 0.0],
-                                strict=True)))  # fmt: skip
+    return json.dumps(
+        dict(
+            zip(
+                metrics.COLUMNS,
+                [
+                    step,
+                    60,
+                    0,
+                    2.0 - step / 100,
+                    0.5,
+                    None,
+                    0.003,
+                    900.0,
+                    3.5,
+                    None,
+                    2,
+                    900.0,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    0.0,
+                ],
+                strict=True,
+            )
+        )
+    )
 
 
 def record(run_dir: Path, start_step: int) -> metrics.RunRecord:
@@ -406,8 +449,9 @@ def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, m
         Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))
     )
     held_out = {1: ",,", 20: "0.6,0.7,0.1", 40: "0.3,0.9,0.1"}  # val_loss, val_accuracy, val_time_s
-    lines = [HEADER] + [f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,,,{held_out[s]},0.0"
-                        for s in (1, 20, 40)]  # fmt: skip
+    lines = [HEADER] + [
+        f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,,,{held_out[s]},0.0" for s in (1, 20, 40)
+    ]
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"
     (figure,) = drawn

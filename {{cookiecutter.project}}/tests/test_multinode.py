@@ -94,12 +94,31 @@ def hosts() -> Iterator:
     if allowed("ip", "netns", "add", netns[0]):
         subprocess.run(["ip", "netns", "add", netns[1]], check=True)
         veth = [f"v{os.getpid() % 100000}{instance}n{i}" for i in range(NODES)]
-        subprocess.run(["ip", "link", "add", veth[0], "netns", netns[0], "type", "veth",
-                        "peer", "name", veth[1], "netns", netns[1]], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "ip",
+                "link",
+                "add",
+                veth[0],
+                "netns",
+                netns[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                veth[1],
+                "netns",
+                netns[1],
+            ],
+            check=True,
+        )
         addresses = [f"{SUBNET}.{i + 1}" for i in range(NODES)]
         for i, ns in enumerate(netns):
-            for step in (["addr", "add", f"{addresses[i]}/24", "dev", veth[i]],
-                         ["link", "set", veth[i], "up"], ["link", "set", "lo", "up"]):  # fmt: skip
+            for step in (
+                ["addr", "add", f"{addresses[i]}/24", "dev", veth[i]],
+                ["link", "set", veth[i], "up"],
+                ["link", "set", "lo", "up"],
+            ):
                 subprocess.run(["ip", "-n", ns, *step], check=True)
 
         def two_hosts(names: list[tuple[str, ...]]) -> list[Host]:
@@ -122,7 +141,7 @@ def hosts() -> Iterator:
                         names[i][0],
                     ],
                     addresses[i],
-                )  # fmt: skip
+                )
                 for i, ns in enumerate(netns)
             ]
 
@@ -259,12 +278,12 @@ def launch_nodes(
                 **({"PET_NODE_RANK": str(index)} if flavor == "trainjob" else {}),
                 **({"CUDA_VISIBLE_DEVICES": devices[index]} if devices else {}),
                 **(env or {}),
-            },  # fmt: skip
+            },
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for index, host in enumerate(hosts(names))
         if only is None or index == only
     ]
@@ -469,8 +488,11 @@ def lose_node_silently(hosts, index: int, node: subprocess.Popen) -> None:
     subprocess.run(["ip", "-n", ns, "link", "set", veth, "down"], check=True)
     lose_pod(node)
     new = f"{SUBNET}.{index + 1 + NODES}"
-    for step in (["addr", "del", f"{old}/24", "dev", veth], ["addr", "add", f"{new}/24", "dev", veth],
-                 ["link", "set", veth, "up"]):  # fmt: skip
+    for step in (
+        ["addr", "del", f"{old}/24", "dev", veth],
+        ["addr", "add", f"{new}/24", "dev", veth],
+        ["link", "set", veth, "up"],
+    ):
         subprocess.run(["ip", "-n", ns, *step], check=True)
     hosts.addresses[index] = new
 
@@ -499,8 +521,17 @@ def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_co
     log = run_dir / "train.log"
     port = free_port()
     deploy = ("deploy.rdzv_timeout_s=180",)  # the replacement of pod 0 starts within it, loaded too
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, "dist.timeout_s=15",
-                         port=port, gpus=1, deploy=deploy)  # fmt: skip
+    nodes = launch_nodes(
+        hosts,
+        "job",
+        tmp_path,
+        run_dir,
+        *LONGER_STEPS,
+        "dist.timeout_s=15",
+        port=port,
+        gpus=1,
+        deploy=deploy,
+    )
     wait_for_checkpoint(nodes, run_dir)
     victim = sorted(worker_pids(nodes[1].pid).values())[-1]
     os.kill(victim, signal.SIGKILL)
@@ -512,8 +543,9 @@ def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_co
     assert resumed.startswith("resumed from the checkpoint of step"), resumed
 
     lost = [lose_pod(nodes[1])]
-    (replacement,) = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=1,
-                                  port=port, gpus=1, deploy=deploy)  # fmt: skip
+    (replacement,) = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=1, port=port, gpus=1, deploy=deploy
+    )
     nodes = [nodes[0], replacement]
     assert wait_for_checkpoint(nodes, run_dir, after_resume=2), (
         "the replacement's round did not resume"
@@ -521,8 +553,9 @@ def test_a_killed_worker_restarts_in_place_then_a_lost_pod_1_and_a_lost_pod_0_co
 
     lost.append(lose_pod(nodes[0]))
     time.sleep(5)  # a replacement pod takes seconds to be scheduled and start
-    (replacement,) = launch_nodes(hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=0,
-                                  port=port, gpus=1, deploy=deploy)  # fmt: skip
+    (replacement,) = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *LONGER_STEPS, only=0, port=port, gpus=1, deploy=deploy
+    )
     nodes = [replacement, nodes[1]]
     outputs = finish(nodes, timeout=240)
     assert_resumed_and_finished(nodes, outputs, run_dir, world_size=NODES, steps=LONGER_STEPS)
@@ -565,14 +598,19 @@ def test_pod_0_lost_silently_is_given_up_within_the_timeout_and_its_replacement_
     outputs = finish(nodes, timeout=300)
     assert_resumed_and_finished(nodes, outputs, run_dir, world_size=NODES)
     survivor = outputs[1]
-    waiting = re.findall(r"the rendezvous host \S+ \(pod 0\) has not answered for (\d+) s; this node "
-                         r"gives it up at 30 s", survivor)  # fmt: skip
+    waiting = re.findall(
+        r"the rendezvous host \S+ \(pod 0\) has not answered for (\d+) s; this node "
+        r"gives it up at 30 s",
+        survivor,
+    )
     assert waiting[:2] == ["10", "20"], survivor[-3000:]
     joined = re.findall(r"lost the rendezvous at .*", survivor)
     assert len(joined) == 1, survivor[-3000:]
     assert "joining its replacement's, for up to 60 s" in joined[0], survivor[-3000:]
-    figure(f"pod 0 lost silently (deploy.rdzv_timeout_s=60, its replacement 30 s later): training "
-           f"again, resumed, {training_again:.0f} s after the loss")  # fmt: skip
+    figure(
+        f"pod 0 lost silently (deploy.rdzv_timeout_s=60, its replacement 30 s later): training "
+        f"again, resumed, {training_again:.0f} s after the loss"
+    )
 
 
 # Installed as sitecustomize in a node's processes: the seconds torchrun's run() took in its
@@ -639,7 +677,7 @@ def test_a_pod_alone_past_deploy_rdzv_timeout_s_ends_in_one_line_naming_it(hosts
             gpus=1,
             deploy=deploy,
             env=env,
-        )  # fmt: skip
+        )
     ]
     outputs = finish(alone, timeout=240)
     assert [node.returncode for node in alone] == [1, 1], outputs
@@ -649,13 +687,15 @@ def test_a_pod_alone_past_deploy_rdzv_timeout_s_ends_in_one_line_naming_it(hosts
     host, peer = (output.strip().splitlines() for output in outputs)
     assert len(host) == 1 and re.fullmatch(
         rf"{COMMAND} train: the rendezvous at localhost:\d+ did not gather its 2 nodes within 10 s "
-        r"\(--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/\): a node has not started", host[0]
-    ), host  # fmt: skip
+        r"\(--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/\): a node has not started",
+        host[0],
+    ), host
     assert len(peer) == 1 and re.match(
         rf"{COMMAND} train: could not reach the rendezvous at {COMMAND}-0.{COMMAND}:\d+ within 10 s "
         r"\(--rdzv-conf read_timeout; deploy.rdzv_timeout_s in k8s/\): the node that hosts it "
-        r"\(pod 0\) has not started, or its port is closed to this node \(The client socket has timed out", peer[0]
-    ), peer  # fmt: skip
+        r"\(pod 0\) has not started, or its port is closed to this node \(The client socket has timed out",
+        peer[0],
+    ), peer
 
 
 @pytest.mark.slow
@@ -667,8 +707,9 @@ def test_a_killed_worker_restarts_one_gpu_nodes_in_place_over_nccl(hosts, tmp_pa
     "nodes" share a host but not a hostname, so NCCL joins them over sockets, as across nodes."""
     run_dir = tmp_path / "run"
     steps = ("trainer.max_steps=6000", "trainer.log_every=500", "trainer.checkpoint_every=1000")
-    nodes = launch_nodes(hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=30",
-                         gpus=1, devices=["0", "1"])  # fmt: skip
+    nodes = launch_nodes(
+        hosts, "job", tmp_path, run_dir, *steps, "dist.timeout_s=30", gpus=1, devices=["0", "1"]
+    )
     wait_for_checkpoint(nodes, run_dir)
     killed_at = time.monotonic()
     os.kill(sorted(worker_pids(nodes[1].pid).values())[-1], signal.SIGKILL)
@@ -676,5 +717,7 @@ def test_a_killed_worker_restarts_one_gpu_nodes_in_place_over_nccl(hosts, tmp_pa
     assert_resumed_and_finished(nodes, outputs, run_dir, world_size=2, steps=steps)
     log = (run_dir / "train.log").read_text()
     assert "backend nccl, gate all-reduce passed" in log
-    print(f"\nGPU-RESULT in-place restart over NCCL: {time.monotonic() - killed_at:.1f} s from the "
-          f"kill to the end of {steps[0]}")  # fmt: skip
+    print(
+        f"\nGPU-RESULT in-place restart over NCCL: {time.monotonic() - killed_at:.1f} s from the "
+        f"kill to the end of {steps[0]}"
+    )

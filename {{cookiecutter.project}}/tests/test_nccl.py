@@ -54,8 +54,13 @@ def test_auto_leaves_p2p_alone_where_one_process_uses_one_gpu_of_the_node():
 
 
 def test_auto_on_mixed_links_keeps_nvlink_and_drops_only_broken_pcie():
-    node = facts(gpus=4, nvlink=((0, 1), (2, 3)), world=4, local_world=4,
-                 tests={(0, 2): "ok", (0, 3): "hang", (1, 2): "ok", (1, 3): "ok"})  # fmt: skip
+    node = facts(
+        gpus=4,
+        nvlink=((0, 1), (2, 3)),
+        world=4,
+        local_world=4,
+        tests={(0, 2): "ok", (0, 3): "hang", (1, 2): "ok", (1, 3): "ok"},
+    )
     decision = nccl.decide(AUTO, node, inherited={})
     assert decision.env == {"NCCL_P2P_LEVEL": "NVL", "NCCL_IB_DISABLE": "1"}
     assert "NCCL_P2P_DISABLE" not in decision.env
@@ -136,9 +141,15 @@ def test_pcie_safe_fields_map_one_to_one():
 
 def test_every_field_and_env_map_reach_the_environment():
     cfg = NcclConfig(
-        p2p_disable=False, p2p_level="PIX", ib_disable=True, shm_disable=False, socket_ifname="^lo,docker",
-        debug="INFO", debug_subsys="INIT,NET", env={"NCCL_ALGO": "Ring"},
-    )  # fmt: skip
+        p2p_disable=False,
+        p2p_level="PIX",
+        ib_disable=True,
+        shm_disable=False,
+        socket_ifname="^lo,docker",
+        debug="INFO",
+        debug_subsys="INIT,NET",
+        env={"NCCL_ALGO": "Ring"},
+    )
     assert nccl.decide(cfg, None, inherited={}).env == {
         "NCCL_P2P_DISABLE": "0",
         "NCCL_P2P_LEVEL": "PIX",
@@ -183,9 +194,13 @@ def test_every_rank_gets_the_same_env():
 
 @pytest.mark.parametrize(
     ("torch_version", "buffer_var"),
-    [("2.11.0+cu130", "TORCH_FR_BUFFER_SIZE"), ("2.13.0", "TORCH_FR_BUFFER_SIZE"),
-     ("2.10.1", "TORCH_NCCL_TRACE_BUFFER_SIZE"), ("2.9.0a0+git1234", "TORCH_NCCL_TRACE_BUFFER_SIZE")],
-)  # fmt: skip
+    [
+        ("2.11.0+cu130", "TORCH_FR_BUFFER_SIZE"),
+        ("2.13.0", "TORCH_FR_BUFFER_SIZE"),
+        ("2.10.1", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+        ("2.9.0a0+git1234", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    ],
+)
 def test_the_flight_recorders_buffer_goes_by_the_name_the_torch_version_reads(
     torch_version, buffer_var
 ):

@@ -13,8 +13,10 @@ def test_a_gpts_flops_per_token_are_nanogpts_count():
     projections, the MLP and two layer norms; the final norm's 2 d; the untied head, d x
     vocabulary) and attention's 12 x layers x width x context."""
     layers, width, vocabulary, context = 2, 32, 100, 16
-    model = Gpt(SimpleNamespace(n_layer=layers, n_head=4, d_model=width),
-                SimpleNamespace(seq_len=context, vocab_size=vocabulary))  # fmt: skip
+    model = Gpt(
+        SimpleNamespace(n_layer=layers, n_head=4, d_model=width),
+        SimpleNamespace(seq_len=context, vocab_size=vocabulary),
+    )
     parameters = layers * (12 * width**2 + 13 * width) + 2 * width + width * vocabulary
     assert model.flops_per_token() == 6 * parameters + 12 * layers * width * context
     assert model.tokens_per_sample == context

@@ -63,11 +63,16 @@ def test_nvlink_pairs_are_not_copy_tested(monkeypatch):
 def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
     reader = subprocess.Popen(
-        [sys.executable, "-c",
-         f"from pathlib import Path; from {PACKAGE}.nccl.probe import shared_node_facts; "
-         f"print(shared_node_facts(Path({str(tmp_path)!r}), local_rank=1, wait_s=60).to_json())"],
-        stdout=subprocess.PIPE, text=True, env=os.environ,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"from pathlib import Path; from {PACKAGE}.nccl.probe import shared_node_facts; "
+            f"print(shared_node_facts(Path({str(tmp_path)!r}), local_rank=1, wait_s=60).to_json())",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
     time.sleep(1)  # the reader is waiting before anything is published
     published = nccl.NodeFacts(2, frozenset(), 0, 2, 2, 2**30, {(0, 1): "hang"}, 0.5)
     calls = []
@@ -89,8 +94,14 @@ def test_a_reader_gives_up_when_nothing_is_published(tmp_path):
 
 def test_world_reads_the_launch_and_its_restart_from_torchruns_environment():
     """The probe's file and the failure marker are named per launch and restart from World."""
-    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-           "TORCHELASTIC_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "2"}  # fmt: skip
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "job-7",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
     world = World.from_env(env)
     assert (world.rank, world.local_rank, world.size, world.local_size) == (3, 1, 4, 2)
     assert world.launched and world.main is False and world.attempt == "job-7-2"

@@ -84,8 +84,13 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
             [*command, *args], cwd=project, capture_output=True, text=True, timeout=120
         )
 
-    other = subprocess.Popen([*command, "deploy.pod_labels.yes=on", "deploy.image_pull_secrets=[ghcr-pull]"],
-                             cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    other = subprocess.Popen(
+        [*command, "deploy.pod_labels.yes=on", "deploy.image_pull_secrets=[ghcr-pull]"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     done = k8s(
         "deploy.nodes=2",
         "deploy.runs_access_mode=ReadWriteMany",
@@ -210,8 +215,16 @@ def test_values_live_in_the_yaml_and_the_schemas_hold_none():
     from ddp_project.config import options
     from ddp_project.config import schema as config
 
-    schemas = [options.MlpConfig, options.GptConfig, options.PointsConfig, options.TokensConfig,
-               config.TrainerConfig, config.DistConfig, deploy_config.DeployConfig, config.TrainConfig]  # fmt: skip
+    schemas = [
+        options.MlpConfig,
+        options.GptConfig,
+        options.PointsConfig,
+        options.TokensConfig,
+        config.TrainerConfig,
+        config.DistConfig,
+        deploy_config.DeployConfig,
+        config.TrainConfig,
+    ]
     for schema in schemas:
         for field in dataclasses.fields(schema):
             assert field.default is MISSING, f"{schema.__name__}.{field.name} has a default"
@@ -301,10 +314,17 @@ def test_an_nccl_field_with_a_digit_in_its_name_is_written_like_any_other(tmp_pa
     )
     done = subprocess.run(
         [sys.executable, "-m", f"{PACKAGE}.k8s", "nccl.p2p_disable=true"],
-        cwd=project, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("wrote nccl.p2p_disable=true -> "), done.stdout
-    (container,) = [trainer_container(f, yaml.safe_load(p.read_text())) for p in (project / "k8s").glob("*.yaml")
-                    for f in [p.stem] if f in ("job", "jobset", "pytorchjob", "trainjob")]  # fmt: skip
+    (container,) = [
+        trainer_container(f, yaml.safe_load(p.read_text()))
+        for p in (project / "k8s").glob("*.yaml")
+        for f in [p.stem]
+        if f in ("job", "jobset", "pytorchjob", "trainjob")
+    ]
     assert {"name": "NCCL_P2P_DISABLE", "value": "1"} in container["env"]

@@ -119,8 +119,9 @@ def configs(tmp_path, monkeypatch):
     registry.builds(SignsConfig)(signs)
     registry.option("model", "toy", "a toy", stored_as="toy_schema", reads=SignsConfig)(ToyConfig)
     registry.builds(ToyConfig)(Toy)
-    registry.option("model", "resmlp", "a residual MLP", stored_as="resmlp_schema",
-                    reads=PointsConfig)(ResMlpConfig)  # fmt: skip
+    registry.option(
+        "model", "resmlp", "a residual MLP", stored_as="resmlp_schema", reads=PointsConfig
+    )(ResMlpConfig)
     registry.builds(ResMlpConfig)(ResMlp)
     folder = tmp_path / "configs"
     shutil.copytree(str(files("ddp_project.configs")), folder)
@@ -155,8 +156,12 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
     # Trained, with its FLOPs per token for the MFU column.
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    steps = ["trainer.max_steps=20", "trainer.log_every=10", "trainer.checkpoint_every=20",
-             "trainer.lr=0.05"]  # fmt: skip
+    steps = [
+        "trainer.max_steps=20",
+        "trainer.log_every=10",
+        "trainer.checkpoint_every=20",
+        "trainer.lr=0.05",
+    ]
     trainer = Trainer(
         compose_and_check([*toy, *steps], configs), World(), torch.device("cpu"), run_dir
     )
@@ -178,8 +183,14 @@ def test_every_registered_option_has_a_builder():
     assert [o.name for o in registry.OPTIONS.values() if o.schema not in registry.BUILDERS] == []
 
 
-RESMLP = ["model=resmlp", "dist.backend=gloo", "logger=csv", "trainer.max_steps=20",
-          "trainer.log_every=10", "trainer.checkpoint_every=20"]  # fmt: skip
+RESMLP = [
+    "model=resmlp",
+    "dist.backend=gloo",
+    "logger=csv",
+    "trainer.max_steps=20",
+    "trainer.log_every=10",
+    "trainer.checkpoint_every=20",
+]
 
 
 @pytest.fixture
@@ -364,10 +375,17 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
         "@dataclass\nclass MyMlpConfig:\n    width: int = 0\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", "import mine, runpy; runpy.run_module('ddp_project.check', "
-         "run_name='__main__')", "model=mlp"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import mine, runpy; runpy.run_module('ddp_project.check', run_name='__main__')",
+            "model=mlp",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
     mlp = line_of(options, '@option("model", "mlp"')
     assert done.stderr == (

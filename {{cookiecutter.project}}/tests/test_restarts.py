@@ -23,9 +23,13 @@ RESTARTS = ("--nproc-per-node", "2", "--max-restarts", "3")
 def run(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     done = subprocess.run(
-        launch_command(*RESTARTS, "hydra.run.dir=run", *args), cwd=tmp_path,
-        env={**users_env(), **(env or {})}, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        launch_command(*RESTARTS, "hydra.run.dir=run", *args),
+        cwd=tmp_path,
+        env={**users_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     return done, time.monotonic() - started
 
 

@@ -40,8 +40,20 @@ def static_rendezvous_command(*overrides: str, nproc: int) -> list[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-port", str(port), "-m", f"{PACKAGE}.train", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(port),
+        "-m",
+        f"{PACKAGE}.train",
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +62,9 @@ def kept(request) -> Path:
     steps make an epoch here: its step 80 is in epoch 1, its step 60 before the edge. Launched
     with a static rendezvous and no hydra.run.dir: its run dir is the one under outputs/."""
     folder = shared_folder(request)
-    command = static_rendezvous_command("trainer.max_steps=80", "trainer.checkpoint_every=10",
-                                        "trainer.keep_checkpoints=3", nproc=2)  # fmt: skip
+    command = static_rendezvous_command(
+        "trainer.max_steps=80", "trainer.checkpoint_every=10", "trainer.keep_checkpoints=3", nproc=2
+    )
     done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = (folder / "outputs").iterdir()
@@ -95,8 +108,11 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_keeps_the
     newest.write_bytes(newest.read_bytes()[:1000])
     done = subprocess.run(
         [sys.executable, "-m", f"{PACKAGE}.train", "trainer.max_steps=80", "hydra.run.dir=run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipping unreadable checkpoint step_000000080.pt" in done.stdout + done.stderr
     assert (
@@ -118,8 +134,11 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_pr
     shutil.copytree(kept, tmp_path / "run")
     done = subprocess.run(
         launch_command("--nproc-per-node", "3", "hydra.run.dir=run", "dist.backend=gloo"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
         "config error: hydra.run.dir=run resumes from step_000000080.pt: the checkpoint's global batch is 256 "
@@ -297,15 +316,19 @@ class Stop:
         self.signalled = time.monotonic()
 
     def cpu_after(self) -> dict[int, float]:
-        return {rank: float((self.records / f"cpu{rank}").read_text()) - before
-                for rank, before in self.cpu_at_signal.items()}  # fmt: skip
+        return {
+            rank: float((self.records / f"cpu{rank}").read_text()) - before
+            for rank, before in self.cpu_at_signal.items()
+        }
 
     def check(self, figure, code: int, output: str, wall_s: float) -> None:
         assert sorted(self.cpu_at_signal) == [0, 1], output[-3000:]
         assert [(self.records / f"exit{rank}").read_text() for rank in (0, 1)] == [str(code)] * 2
         cpu = self.cpu_after()
-        figure(f"{wall_s:.1f} s from the signal to the end; CPU after it, per rank: "
-               + ", ".join(f"{seconds:.2f} s" for _, seconds in sorted(cpu.items())))  # fmt: skip
+        figure(
+            f"{wall_s:.1f} s from the signal to the end; CPU after it, per rank: "
+            + ", ".join(f"{seconds:.2f} s" for _, seconds in sorted(cpu.items()))
+        )
         assert max(cpu.values()) < 3, (cpu, output[-3000:])
         assert wall_s < 25, output[-3000:]
 
@@ -314,12 +337,22 @@ def signal_at_a_step_line(tmp_path, env, signum, after: str, *overrides) -> tupl
     """Train in run/ until the first step line after a line holding `after`, send `signum` to
     the launch's process group (as Ctrl-C does; torchrun forwards it too), and wait for the end.
     Returns the output, the seconds from the signal to its last line, and the stop's costs."""
-    command = train_command("hydra.run.dir=run", "trainer.log_every=5", "trainer.max_steps=100000000",
-                            "trainer.checkpoint_every=100000", *overrides)  # fmt: skip
+    command = train_command(
+        "hydra.run.dir=run",
+        "trainer.log_every=5",
+        "trainer.max_steps=100000000",
+        "trainer.checkpoint_every=100000",
+        *overrides,
+    )
     process = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines, seen, stop = [], False, None
     try:
         for line in process.stdout:
@@ -368,9 +401,12 @@ def test_a_stop_signal_stops_every_rank_at_one_step_after_0_1_and_2_resumes(
     run = tmp_path / "run"
     stops = []
     for resumes, (signum, overrides) in enumerate(
-        [(signal.SIGTERM, ["data.num_workers=2"]), (signal.SIGTERM, []),
-         (signal.SIGINT, ["data.num_workers=2"])]
-    ):  # fmt: skip
+        [
+            (signal.SIGTERM, ["data.num_workers=2"]),
+            (signal.SIGTERM, []),
+            (signal.SIGINT, ["data.num_workers=2"]),
+        ]
+    ):
         for record in records.iterdir():
             record.unlink()
         after = f"resumed from the checkpoint of step {stops[-1]} " if stops else ""
@@ -394,9 +430,14 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
     env, records = stop_hook
     command = train_command("hydra.run.dir=run")
     process = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **env, slow: "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        env={**os.environ, **env, slow: "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((records / "waiting0").exists() and (records / "waiting1").exists()):
@@ -426,8 +467,14 @@ def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_li
     to step 20, whose write fails as on a full disk: rank 0 says so in one line, exits 5, and
     no rank blames a collective."""
     env, _ = stop_hook
-    done = torchrun(tmp_path, "trainer.max_steps=30", "trainer.checkpoint_every=10", "dist.timeout_s=8",
-                    "hydra.run.dir=run", env={**env, "FAIL_SECOND_WRITE": "1", "SLOW_SAVE_S": "14"})  # fmt: skip
+    done = torchrun(
+        tmp_path,
+        "trainer.max_steps=30",
+        "trainer.checkpoint_every=10",
+        "dist.timeout_s=8",
+        "hydra.run.dir=run",
+        env={**env, "FAIL_SECOND_WRITE": "1", "SLOW_SAVE_S": "14"},
+    )
     output = done.stdout + done.stderr
     assert done.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("checkpoint error:")]
@@ -452,13 +499,23 @@ def test_a_stop_signal_during_a_background_write_loses_nothing(tmp_path, stop_ho
     waits for two writes and the steps to its step: a test of that raced torchrun's 30 s grace on
     a loaded machine.)"""
     env, records = stop_hook
-    command = train_command("hydra.run.dir=run", "trainer.log_every=1", "trainer.max_steps=100000000",
-                            "trainer.checkpoint_every=200", "trainer.val_every=0",  # no best.pt write
-                            f"trainer.checkpoint_format={form}")  # fmt: skip
+    command = train_command(
+        "hydra.run.dir=run",
+        "trainer.log_every=1",
+        "trainer.max_steps=100000000",
+        "trainer.checkpoint_every=200",
+        "trainer.val_every=0",  # no best.pt write
+        f"trainer.checkpoint_format={form}",
+    )
     process = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **env, "HOLD_WRITES_UNTIL_STOP": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        env={**os.environ, **env, "HOLD_WRITES_UNTIL_STOP": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines, steps_during_write = [], 0
     try:
         for line in process.stdout:
@@ -497,8 +554,16 @@ def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monke
     shutil.copytree(kept, tmp_path / "run")
     before = (tmp_path / "run" / "config.yaml").read_text()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train", "model.hidden_dim=64", "hydra.run.dir=run",
-                                      "trainer.accept_changes=[model.hidden_dim]"])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "train",
+            "model.hidden_dim=64",
+            "hydra.run.dir=run",
+            "trainer.accept_changes=[model.hidden_dim]",
+        ],
+    )
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
@@ -528,12 +593,20 @@ def test_a_rank_sigkilled_ends_the_launcher_promptly_and_resumes_match_an_uninte
     shutil.copytree(kept, run_dir)
     for later in checkpoint.checkpoint_paths(run_dir)[1:]:
         later.unlink()
-    command = train_command("hydra.run.dir=run", "trainer.log_every=5", "trainer.max_steps=80",
-                            "trainer.checkpoint_every=10")  # fmt: skip
+    command = train_command(
+        "hydra.run.dir=run",
+        "trainer.log_every=5",
+        "trainer.max_steps=80",
+        "trainer.checkpoint_every=10",
+    )
     process = subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **env, "PAUSE_RANK_1_AFTER_STEP": "70"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        env={**os.environ, **env, "PAUSE_RANK_1_AFTER_STEP": "70"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (records / "paused1").exists():
         assert process.poll() is None and time.monotonic() < deadline, "step 70 never written"

@@ -41,8 +41,13 @@ def launch(cwd, *args: str) -> subprocess.CompletedProcess:
 def train_alone(cwd, *overrides: str) -> subprocess.CompletedProcess:
     """`python -m <package>.train`: the worker's own checks (RunDirGuard) without the launcher's,
     in one process (under torchrun each worker runs the same; the agent would add seconds)."""
-    return subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=240)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def launcher_refusal(cwd, monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
@@ -75,10 +80,18 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(
     tmp_path, monkeypatch, capsys
 ):
     first = subprocess.Popen(
-        launch_command("--nproc-per-node", "1", "trainer.max_steps=100000000", "trainer.log_every=5",
-                       "hydra.run.dir=run"),  # fmt: skip
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        launch_command(
+            "--nproc-per-node",
+            "1",
+            "trainer.max_steps=100000000",
+            "trainer.log_every=5",
+            "hydra.run.dir=run",
+        ),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_metrics(first, tmp_path / "run")
         hydra_files = {p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()}
@@ -132,8 +145,15 @@ def test_a_resume_that_would_change_results_is_refused_listing_every_difference(
     trained, monkeypatch, capsys
 ):
     before = snapshot(trained / "run")
-    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
-                                  "trainer.seed=1", "data.batch_size=64", "hydra.run.dir=run")  # fmt: skip
+    code, said = launcher_refusal(
+        trained,
+        monkeypatch,
+        capsys,
+        "trainer.max_steps=20",
+        "trainer.seed=1",
+        "data.batch_size=64",
+        "hydra.run.dir=run",
+    )
     assert code == 2
     assert said.splitlines() == [
         "config error: hydra.run.dir=run resumes from step_000000010.pt, written with another "
@@ -152,9 +172,17 @@ def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may
     trained, monkeypatch
 ):
     """Only trainer.lr is accepted: the other keys changed here change no result, and need not be."""
-    done = launch(trained, "trainer.max_steps=20", "trainer.lr=0.001", "trainer.accept_changes=[trainer.lr]",
-                  "trainer.log_every=5", "trainer.checkpoint_every=5", "trainer.keep_checkpoints=4",
-                  "data.num_workers=1", "hydra.run.dir=run")  # fmt: skip
+    done = launch(
+        trained,
+        "trainer.max_steps=20",
+        "trainer.lr=0.001",
+        "trainer.accept_changes=[trainer.lr]",
+        "trainer.log_every=5",
+        "trainer.checkpoint_every=5",
+        "trainer.keep_checkpoints=4",
+        "data.num_workers=1",
+        "hydra.run.dir=run",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step 10" in done.stdout
     assert [row["lr"] for row in read_metrics(trained / "run")][-1] == pytest.approx(0.001)
@@ -163,16 +191,37 @@ def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may
     started = []
     monkeypatch.chdir(trained)
     monkeypatch.setattr(launcher, "run", started.append)
-    assert launcher.main(["train", "--nproc-per-node", "1", "trainer.max_steps=30",
-                          "trainer.lr=0.001", "hydra.run.dir=run"]) == 0  # fmt: skip
+    assert (
+        launcher.main(
+            [
+                "train",
+                "--nproc-per-node",
+                "1",
+                "trainer.max_steps=30",
+                "trainer.lr=0.001",
+                "hydra.run.dir=run",
+            ]
+        )
+        == 0
+    )
     assert len(started) == 1
-    assert rundir.resume_problem(trained / "run", check.compose_and_check(["trainer.max_steps=30",
-                                 "trainer.lr=0.001"])) is None  # fmt: skip
+    assert (
+        rundir.resume_problem(
+            trained / "run", check.compose_and_check(["trainer.max_steps=30", "trainer.lr=0.001"])
+        )
+        is None
+    )
 
 
 def test_an_accept_list_naming_no_key_is_refused(trained, monkeypatch, capsys):
-    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
-                                  "trainer.accept_changes=[trainer.lrr]", "hydra.run.dir=run")  # fmt: skip
+    code, said = launcher_refusal(
+        trained,
+        monkeypatch,
+        capsys,
+        "trainer.max_steps=20",
+        "trainer.accept_changes=[trainer.lrr]",
+        "hydra.run.dir=run",
+    )
     assert code == 2
     (line,) = said.splitlines()
     assert line.startswith(
@@ -182,8 +231,15 @@ def test_an_accept_list_naming_no_key_is_refused(trained, monkeypatch, capsys):
 
 def test_a_resume_under_other_options_is_refused_naming_both(trained, monkeypatch, capsys):
     before = snapshot(trained / "run")
-    code, said = launcher_refusal(trained, monkeypatch, capsys, "trainer.max_steps=20",
-                                  "model=gpt", "data=tokens", "hydra.run.dir=run")  # fmt: skip
+    code, said = launcher_refusal(
+        trained,
+        monkeypatch,
+        capsys,
+        "trainer.max_steps=20",
+        "model=gpt",
+        "data=tokens",
+        "hydra.run.dir=run",
+    )
     assert code == 2
     assert said.splitlines() == [
         "config error: data=tokens, model=gpt: the checkpoint in run (step_000000010.pt) was "
@@ -191,8 +247,14 @@ def test_a_resume_under_other_options_is_refused_naming_both(trained, monkeypatc
         "trainer.accept_changes=[data,model] to switch, or choose another hydra.run.dir"
     ]
     # the workers refuse it too, when launched without the launcher
-    direct = train_alone(trained, "trainer.max_steps=20", "model=gpt", "data=tokens",
-                         "trainer.accept_changes=[data]", "hydra.run.dir=run")  # fmt: skip
+    direct = train_alone(
+        trained,
+        "trainer.max_steps=20",
+        "model=gpt",
+        "data=tokens",
+        "trainer.accept_changes=[data]",
+        "hydra.run.dir=run",
+    )
     assert direct.returncode != 0
     assert (
         "config error: model=gpt: the checkpoint in run (step_000000010.pt) was trained with "
@@ -220,8 +282,13 @@ def test_a_checkpoint_that_records_no_options_resumes_as_the_options_its_keys_fi
 
 def test_a_checkpoint_of_another_shape_is_one_line(trained):
     before = snapshot(trained / "run")
-    done = launch(trained, "trainer.max_steps=20", "model.hidden_dim=64",
-                  "trainer.accept_changes=[model.hidden_dim]", "hydra.run.dir=run")  # fmt: skip
+    done = launch(
+        trained,
+        "trainer.max_steps=20",
+        "model.hidden_dim=64",
+        "trainer.accept_changes=[model.hidden_dim]",
+        "hydra.run.dir=run",
+    )
     assert done.returncode == 2
     line = one_line(done)
     assert line.startswith("config error: step_000000010.pt does not fit this run's model: ")
@@ -289,11 +356,16 @@ def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
 def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
     """In this process: the launcher's own check, before any worker's."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
-         f"rundir.acquire(Path({str(tmp_path / 'run')!r})); print(flush=True); "
-         "import time; time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"from {PACKAGE}.run import rundir; from pathlib import Path; "
+            f"rundir.acquire(Path({str(tmp_path / 'run')!r})); print(flush=True); "
+            "import time; time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     (tmp_path / "run").mkdir()
     try:
         holder.stdout.readline()
@@ -311,11 +383,17 @@ def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
 @pytest.mark.parametrize(
     ("entries", "line"),
     [
-        ("[nope]", "trainer.accept_changes: nope is no key of the config; allowed: a group (model,"),
-        ("[trainer.lrr]", "trainer.accept_changes: trainer.lrr is no key of the config; did you mean trainer.lr?"),
+        (
+            "[nope]",
+            "trainer.accept_changes: nope is no key of the config; allowed: a group (model,",
+        ),
+        (
+            "[trainer.lrr]",
+            "trainer.accept_changes: trainer.lrr is no key of the config; did you mean trainer.lr?",
+        ),
         ("['']", "trainer.accept_changes: '' is no key of the config;"),
     ],
-)  # fmt: skip
+)
 def test_an_accept_list_naming_no_key_is_refused_without_a_checkpoint_too(entries, line):
     assert check.config_problem([f"trainer.accept_changes={entries}"]).startswith(line)
 
@@ -347,11 +425,15 @@ def sweep_command(*overrides: str) -> list[str]:
 
 def sweep(cwd, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        sweep_command("experiment=smoke", "trainer.checkpoint_every=5", "hydra.sweep.dir=sweep",
-                      *overrides),  # fmt: skip
-        cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as torchrun gives
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        sweep_command(
+            "experiment=smoke", "trainer.checkpoint_every=5", "hydra.sweep.dir=sweep", *overrides
+        ),
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread, as torchrun gives
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -386,9 +468,10 @@ def sweep_job_config(sweep_dir, job: int):
     register_configs()
     with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
         cfg = compose(
-            config_name="train", return_hydra_config=True,
+            config_name="train",
+            return_hydra_config=True,
             overrides=[f"hydra.sweep.dir={sweep_dir}", "hydra.mode=MULTIRUN"],
-        )  # fmt: skip
+        )
     with open_dict(cfg):
         cfg.hydra.job.num = job
         cfg.hydra.runtime.output_dir = str(sweep_dir / str(job))
@@ -403,10 +486,15 @@ def test_a_sweep_job_holds_its_dirs_lock_while_it_runs(tmp_path, capsys):
     guard.on_multirun_start(config)
     guard.on_job_start(config)
     other = subprocess.run(
-        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
-         f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r}), wait_s=0)"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"from {PACKAGE}.run import rundir; from pathlib import Path; "
+            f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r}), wait_s=0)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert other.returncode != 0 and f"in use by pid {os.getpid()}" in other.stderr
     guard.on_job_end(config)  # the next job, or another sweep, may use it now
     assert tmp_path / "sweep" / "0" not in rundir._held
@@ -416,11 +504,16 @@ def test_a_sweep_job_holds_its_dirs_lock_while_it_runs(tmp_path, capsys):
 
 def test_a_sweep_job_whose_dir_is_in_use_is_refused(tmp_path, capsys):
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from {PACKAGE}.run import rundir; from pathlib import Path; "
-         f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r})); print(flush=True); "
-         "import time; time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"from {PACKAGE}.run import rundir; from pathlib import Path; "
+            f"rundir.acquire(Path({str(tmp_path / 'sweep' / '0')!r})); print(flush=True); "
+            "import time; time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     (tmp_path / "sweep" / "0").mkdir(parents=True)
     try:
         holder.stdout.readline()  # it holds the lock
@@ -499,13 +592,32 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
     from ddp_project.run import rundir
 
     assert sorted(rundir.RESUME_MAY_CHANGE) == [
-        "data.num_workers", "data.on_device", "data.pin_memory", "deploy.", "dist.async_error_handling",
-        "dist.backend", "dist.bucket_cap_mb", "dist.checkpoint_timeout_s", "dist.gate_timeout_s",
-        "dist.gradient_as_bucket_view", "dist.static_graph", "dist.time_comm", "dist.timeout_s", "logger.",
-        "nccl.", "trainer.accept_changes", "trainer.async_checkpoint", "trainer.checkpoint_every", "trainer.checkpoint_format",
+        "data.num_workers",
+        "data.on_device",
+        "data.pin_memory",
+        "deploy.",
+        "dist.async_error_handling",
+        "dist.backend",
+        "dist.bucket_cap_mb",
+        "dist.checkpoint_timeout_s",
+        "dist.gate_timeout_s",
+        "dist.gradient_as_bucket_view",
+        "dist.static_graph",
+        "dist.time_comm",
+        "dist.timeout_s",
+        "logger.",
+        "nccl.",
+        "trainer.accept_changes",
+        "trainer.async_checkpoint",
+        "trainer.checkpoint_every",
+        "trainer.checkpoint_format",
         "trainer.keep_best",
-        "trainer.keep_checkpoints", "trainer.log_every", "trainer.max_steps", "trainer.on_nonfinite",
-        "trainer.val_batches", "trainer.val_every",
-    ]  # fmt: skip
+        "trainer.keep_checkpoints",
+        "trainer.log_every",
+        "trainer.max_steps",
+        "trainer.on_nonfinite",
+        "trainer.val_batches",
+        "trainer.val_every",
+    ]
     adjustable = evaluate.ADJUSTABLE
     assert adjustable == ("data.batch_size", "data.num_workers", "data.pin_memory", "dist.backend")

@@ -15,8 +15,13 @@ def rates(compose_train):
     """rates(schedule, warmup_steps, max_steps, steps): the learning rate at each of the steps."""
 
     def at(schedule: str, warmup: int, max_steps: int, steps: list[int]) -> list[float]:
-        cfg = compose_train(f"trainer.schedule={schedule}", f"trainer.warmup_steps={warmup}",
-                            f"trainer.max_steps={max_steps}", f"trainer.lr={LR}", f"trainer.min_lr={MIN_LR}")  # fmt: skip
+        cfg = compose_train(
+            f"trainer.schedule={schedule}",
+            f"trainer.warmup_steps={warmup}",
+            f"trainer.max_steps={max_steps}",
+            f"trainer.lr={LR}",
+            f"trainer.min_lr={MIN_LR}",
+        )
         trainer = OmegaConf.to_object(cfg).trainer
         return [learning_rate(trainer, step) for step in steps]
 

@@ -16,8 +16,12 @@ def test_each_phase_is_the_time_from_the_mark_before_it():
     timeline.mark("config", at=109.5)
     timeline.mark("model", at=112.0)
     assert timeline.phases() == [
-        ("launcher", 3.0), ("torchrun", 1.0), ("imports", 4.0), ("config", 1.5), ("model", 2.5)
-    ]  # fmt: skip
+        ("launcher", 3.0),
+        ("torchrun", 1.0),
+        ("imports", 4.0),
+        ("config", 1.5),
+        ("model", 2.5),
+    ]
     assert timeline.line() == (
         "start-up 12.0 s: launcher 3.0 s, torchrun 1.0 s, imports 4.0 s, config 1.5 s, model 2.5 s"
     )
@@ -41,17 +45,36 @@ def test_a_clock_that_steps_back_gives_no_negative_phase():
 def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
     """What a user runs: every phase named, in order, once."""
     done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.launch", "train", "--nproc-per-node", "1",
-         "trainer.max_steps=1", "hydra.run.dir=run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            f"{PACKAGE}.launch",
+            "train",
+            "--nproc-per-node",
+            "1",
+            "trainer.max_steps=1",
+            "hydra.run.dir=run",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [
         line for line in done.stdout.splitlines() if "start-up " in line and ": launcher" in line
     ]
     phases = [p.rsplit(" ", 2)[0] for p in line.split(" s: ", 1)[1].split(", ")]
     assert phases == [
-        "launcher", "torchrun", "imports", "config", "environment", "process group",
-        "data", "model", "optimizer and held-out data", "resume",
+        "launcher",
+        "torchrun",
+        "imports",
+        "config",
+        "environment",
+        "process group",
+        "data",
+        "model",
+        "optimizer and held-out data",
+        "resume",
         "the loop's set-up",
-    ]  # fmt: skip
+    ]

@@ -78,8 +78,16 @@ def torch_parser() -> argparse.ArgumentParser:
 
 def test_a_c10d_launch_of_several_nodes_bounds_its_connections_at_half_the_read_timeout():
     """Every manifest's launch line uses the c10d rendezvous; one node has no remote host."""
-    several = parsed("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "pod-0.svc:1234",
-                     "--rdzv-conf", "read_timeout=40")  # fmt: skip
+    several = parsed(
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "pod-0.svc:1234",
+        "--rdzv-conf",
+        "read_timeout=40",
+    )
     liveness = launch.store_liveness(several, False, print)
     assert isinstance(liveness, StoreLiveness) and (liveness.port, liveness.give_up_s) == (1234, 20)
     default = parsed("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "pod-0.svc")
@@ -133,8 +141,24 @@ def two_namespaces():
     devices = [f"sl{os.getpid() % 100000}v{i}" for i in range(2)]
     try:
         subprocess.run(["ip", "netns", "add", names[1]], check=True)
-        subprocess.run(["ip", "link", "add", devices[0], "netns", names[0], "type", "veth",
-                        "peer", "name", devices[1], "netns", names[1]], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "ip",
+                "link",
+                "add",
+                devices[0],
+                "netns",
+                names[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                devices[1],
+                "netns",
+                names[1],
+            ],
+            check=True,
+        )
         for i, ns in enumerate(names):
             for step in (
                 ["addr", "add", f"10.232.9.{i + 1}/24", "dev", devices[i]],
@@ -153,21 +177,39 @@ def test_a_host_gone_silent_is_given_up_by_the_bound_and_said_while_waited_for(t
     with the kernel's error, after a line each second it waited."""
     (host_ns, client_ns), (host_dev, _) = two_namespaces
     port = 29400
-    host = subprocess.Popen(["ip", "netns", "exec", host_ns, sys.executable, "-c", SERVER, "10.232.9.1", str(port)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    host = subprocess.Popen(
+        ["ip", "netns", "exec", host_ns, sys.executable, "-c", SERVER, "10.232.9.1", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert host.stdout.readline() == "listening\n"
         client = subprocess.Popen(
-            ["ip", "netns", "exec", client_ns, sys.executable, "-c", CLIENT, "10.232.9.1", str(port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                client_ns,
+                sys.executable,
+                "-c",
+                CLIENT,
+                "10.232.9.1",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert client.stdout.readline() == "connected\n"
         subprocess.run(["ip", "-n", host_ns, "link", "set", host_dev, "down"], check=True)
         said = client.communicate(timeout=120)[0]
     finally:
         host.kill()
-    waited = re.findall(r"the rendezvous host 10\.232\.9\.1:29400 \(pod 0\) has not answered for (\d) s; "
-                        r"this node gives it up at 4 s", said)  # fmt: skip
+    waited = re.findall(
+        r"the rendezvous host 10\.232\.9\.1:29400 \(pod 0\) has not answered for (\d) s; "
+        r"this node gives it up at 4 s",
+        said,
+    )
     assert waited == ["1", "2", "3"], said
     assert said.splitlines()[-1] == "another port's connection bounded at 0 ms", said
     assert said.splitlines()[-2] in (

@@ -54,8 +54,10 @@ def record_nccl_env_in(folder: Path) -> dict[str, str]:
     hook.mkdir()
     records.mkdir()
     (hook / "sitecustomize.py").write_text(RECORD_ENV_AT_INIT)
-    return {"PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}",
-            "INIT_ENV_RECORD_DIR": str(records)}  # fmt: skip
+    return {
+        "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}",
+        "INIT_ENV_RECORD_DIR": str(records),
+    }
 
 
 @pytest.fixture
@@ -73,9 +75,14 @@ def recorded(records, world_size=2) -> list[dict]:
 def python_train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m <package>.train`: one process, no torchrun; one thread, as torchrun gives each
     worker (torch's own default, a thread per core, spends more CPU on spinning than on steps)."""
-    return subprocess.run([sys.executable, "-m", f"{PACKAGE}.train", *args], cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=240)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.train", *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +95,29 @@ def launched_run(request) -> tuple[Path, subprocess.CompletedProcess, Path]:
     folder = shared_folder(request)
     cwd = folder / "launch"
     cwd.mkdir()
-    env = {**os.environ, **record_nccl_env_in(folder),
-           "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "lo"}  # fmt: skip
+    env = {
+        **os.environ,
+        **record_nccl_env_in(folder),
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_SOCKET_IFNAME": "lo",
+    }
     done = subprocess.run(
-        launch_command("--nproc-per-node", "2", "nccl=pcie_safe", "nccl.p2p_disable=false",
-                       "nccl.debug=WARN", *STEPS_COMPARED, "trainer.log_every=25",
-                       "data.num_workers=2"),
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        launch_command(
+            "--nproc-per-node",
+            "2",
+            "nccl=pcie_safe",
+            "nccl.p2p_disable=false",
+            "nccl.debug=WARN",
+            *STEPS_COMPARED,
+            "trainer.log_every=25",
+            "data.num_workers=2",
+        ),
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd, done, folder / "records"
 
@@ -130,13 +152,18 @@ def test_validation_on_two_processes_is_what_evaluate_scores_on_two(launched_run
     assert rows[150]["val_loss"] < rows[100]["val_loss"]
     done = subprocess.run(
         [*train_command(nproc=2)[:-2], "-m", f"{PACKAGE}.evaluate", f"ckpt={run_dir}"],
-        cwd=cwd, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     scored = json.loads((run_dir / "eval" / "step_000000150.json").read_text())
     assert scored["world_size"] == 2
     assert (scored["loss"], scored["accuracy"]) == (
-        rows[150]["val_loss"], rows[150]["val_accuracy"])  # fmt: skip
+        rows[150]["val_loss"],
+        rows[150]["val_accuracy"],
+    )
 
 
 def test_the_profile_and_overrides_are_in_place_on_every_rank_at_init(launched_run):
@@ -145,8 +172,12 @@ def test_the_profile_and_overrides_are_in_place_on_every_rank_at_init(launched_r
     config does not set."""
     _, done, records = launched_run
     for env in recorded(records):
-        assert env == {"NCCL_P2P_DISABLE": "0", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN",
-                       "NCCL_SOCKET_IFNAME": "lo"}  # fmt: skip
+        assert env == {
+            "NCCL_P2P_DISABLE": "0",
+            "NCCL_IB_DISABLE": "1",
+            "NCCL_DEBUG": "WARN",
+            "NCCL_SOCKET_IFNAME": "lo",
+        }
     # over gloo NCCL is not in play: the run keeps quiet (test_nccl.py checks the warning)
     assert "NCCL_IB_DISABLE" not in done.stdout + done.stderr
 
@@ -158,9 +189,15 @@ def test_explicit_run_dir_holds_everything_with_checkpoints_off_and_auto_gives_e
     cwd = tmp_path / "launch"
     cwd.mkdir()
     run_dir = cwd / "runs" / "first"
-    done = torchrun(cwd, "nccl=auto", "trainer.max_steps=10", "trainer.log_every=10",
-                    "trainer.checkpoint_every=0", f"hydra.run.dir={run_dir}",
-                    env=record_nccl_env_in(tmp_path))  # fmt: skip
+    done = torchrun(
+        cwd,
+        "nccl=auto",
+        "trainer.max_steps=10",
+        "trainer.log_every=10",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={run_dir}",
+        env=record_nccl_env_in(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in cwd.iterdir()) == ["runs"]
     assert not (run_dir / "checkpoints").exists()
@@ -220,8 +257,11 @@ def test_gradient_accumulation_matches_one_large_batch_and_torchrun_names_its_ru
     torchrun alone, in a default run dir: named as every launch mode names it
     (test_every_launch_mode_names_its_run_dir_the_same_way), agreed by both ranks."""
     accumulated = torchrun(
-        tmp_path, *STEPS_COMPARED, "data.batch_size=64", "trainer.grad_accumulation=2",
-    )  # fmt: skip
+        tmp_path,
+        *STEPS_COMPARED,
+        "data.batch_size=64",
+        "trainer.grad_accumulation=2",
+    )
     assert accumulated.returncode == 0, accumulated.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs").iterdir()  # both ranks chose the same dir
     assert RUN_NAME.fullmatch(run_dir.name), run_dir.name
@@ -235,9 +275,11 @@ def test_gradient_accumulation_matches_one_large_batch_and_torchrun_names_its_ru
 
 def test_batches_cut_on_the_device_are_the_ones_the_loader_gives(tmp_path, launched_run):
     on_device = torchrun(
-        tmp_path, *STEPS_COMPARED, "data.on_device=true",
+        tmp_path,
+        *STEPS_COMPARED,
+        "data.on_device=true",
         f"hydra.run.dir={tmp_path / 'on_device'}",
-    )  # fmt: skip
+    )
     assert on_device.returncode == 0, on_device.stderr[-3000:]
     assert (
         max_difference(
@@ -259,8 +301,13 @@ def test_loader_workers_survive_sigterm_and_sigint_from_the_moment_they_fork():
     """torchrun sends SIGTERM to each trainer's process group, and Ctrl-C sends SIGINT to all of
     it, loader workers included: one that died of either, even just after its fork, would end
     the run without a checkpoint."""
-    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2,
-                        persistent_workers=True, worker_init_fn=batches_module.ignore_sigterm)  # fmt: skip
+    loader = DataLoader(
+        TensorDataset(torch.arange(8.0)),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        worker_init_fn=batches_module.ignore_sigterm,
+    )
     batches = batches_module.epoch_batches(loader)
     stop_signals = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
     try:
@@ -288,10 +335,18 @@ def gpt_run(request) -> Path:
     dir: the launch dir."""
     cwd = shared_folder(request)
     done = python_train(
-        cwd, "model=gpt", "data=tokens", "model.d_model=64", "model.n_layer=2",
-        "data.seq_len=32", "data.vocab_size=64", "trainer.lr=0.01", "trainer.max_steps=60",
-        "trainer.log_every=20", "trainer.compile=true",  # eager on a CPU, with a line that says so
-    )  # fmt: skip
+        cwd,
+        "model=gpt",
+        "data=tokens",
+        "model.d_model=64",
+        "model.n_layer=2",
+        "data.seq_len=32",
+        "data.vocab_size=64",
+        "trainer.lr=0.01",
+        "trainer.max_steps=60",
+        "trainer.log_every=20",
+        "trainer.compile=true",  # eager on a CPU, with a line that says so
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd
 

@@ -142,8 +142,13 @@ def test_a_run_stopped_mid_decay_resumes_to_the_weights_of_one_never_stopped(tra
     """Cosine decay over steps 3 to 12, a SIGTERM at step 7: the resumed run takes each step's
     rate from the step alone, and ends bit for bit where the uninterrupted run does, having
     logged the same rates, min_lr at the last step."""
-    decaying = ("trainer.schedule=cosine", "trainer.warmup_steps=2", "trainer.max_steps=12",
-                "trainer.log_every=3", "trainer.checkpoint_every=100")  # fmt: skip
+    decaying = (
+        "trainer.schedule=cosine",
+        "trainer.warmup_steps=2",
+        "trainer.max_steps=12",
+        "trainer.log_every=3",
+        "trainer.checkpoint_every=100",
+    )
     whole = trainer_for(*decaying, run="whole")
     assert whole.train() is False
     stopped = trainer_for(*decaying)
@@ -153,8 +158,10 @@ def test_a_run_stopped_mid_decay_resumes_to_the_weights_of_one_never_stopped(tra
     assert resumed.train() is False
     weights = resumed.module.state_dict()
     assert all(torch.equal(weights[k], v) for k, v in whole.module.state_dict().items())
-    logged = [[(row["step"], row["lr"]) for row in metrics.read_rows(trainer.run_dir)]
-              for trainer in (whole, resumed)]  # fmt: skip
+    logged = [
+        [(row["step"], row["lr"]) for row in metrics.read_rows(trainer.run_dir)]
+        for trainer in (whole, resumed)
+    ]
     assert logged[0] == logged[1] and logged[0][-1] == (12, pytest.approx(0.0003))
     assert len({lr for _, lr in logged[0]}) == 4  # a rate of its own at every logged step
 
@@ -264,8 +271,12 @@ def test_sigterm_during_validation_cuts_it_short_and_saves_at_its_step(trainer_f
     """A stop signal while the held-out data is scored: no more batches are scored, every rank
     learns of it at once, and the run stops at that step as between steps (a checkpoint, one
     line, exit 143); the figures cut short are neither logged nor a best checkpoint."""
-    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=10",
-                          "trainer.val_every=4", "trainer.log_every=100")  # fmt: skip
+    trainer = trainer_for(
+        "trainer.max_steps=50",
+        "trainer.checkpoint_every=10",
+        "trainer.val_every=4",
+        "trainer.log_every=100",
+    )
     signals = trainer.preemption.signals = stopping.StopSignals()
     held_out, scored = trainer.held_out, []
 
@@ -334,8 +345,12 @@ def test_the_best_checkpoint_survives_the_keep_policy_and_a_resume_goes_on_track
 
 def test_validation_is_off_at_val_every_0_and_keeps_no_best(trainer_for, monkeypatch):
     scored_as(monkeypatch, [])  # any validation would fail: none is queued
-    trainer = trainer_for("trainer.max_steps=4", "trainer.val_every=0", "trainer.log_every=2",
-                          "trainer.checkpoint_every=2")  # fmt: skip
+    trainer = trainer_for(
+        "trainer.max_steps=4",
+        "trainer.val_every=0",
+        "trainer.log_every=2",
+        "trainer.checkpoint_every=2",
+    )
     assert trainer.held_out is None and not trainer.train()
     assert all(row["val_loss"] is None for row in rows_of(trainer.run_dir).values())
     assert not (trainer.run_dir / "checkpoints" / "best.pt").exists()
@@ -352,8 +367,12 @@ def test_a_resume_that_moves_max_steps_says_so_even_during_the_warm_up(trainer_f
 
 
 def test_a_signal_after_the_last_held_out_batch_keeps_the_scores_then_stops(trainer_for, caplog):
-    trainer = trainer_for("trainer.max_steps=50", "trainer.checkpoint_every=10",
-                          "trainer.val_every=4", "trainer.log_every=100")  # fmt: skip
+    trainer = trainer_for(
+        "trainer.max_steps=50",
+        "trainer.checkpoint_every=10",
+        "trainer.val_every=4",
+        "trainer.log_every=100",
+    )
     trainer.preemption.signals = stopping.StopSignals()
     held_out = trainer.held_out
 

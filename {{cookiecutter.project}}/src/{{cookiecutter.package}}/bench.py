@@ -94,13 +94,21 @@ def reference_ms(
     with device:
         model = build_model(cfg.model, cfg.data)
     if world.size > 1:
-        model = DDP(model, device_ids=[device] if cuda else None, bucket_cap_mb=cfg.dist.bucket_cap_mb,
-                    gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-                    static_graph=cfg.dist.static_graph)  # fmt: skip
+        model = DDP(
+            model,
+            device_ids=[device] if cuda else None,
+            bucket_cap_mb=cfg.dist.bucket_cap_mb,
+            gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+            static_graph=cfg.dist.static_graph,
+        )
         if ddp.COMM_HOOKS[cfg.dist.comm_hook]:
             model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                                  fused=(cfg.trainer.fused_optimizer and cuda) or None)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.trainer.lr,
+        weight_decay=cfg.trainer.weight_decay,
+        fused=(cfg.trainer.fused_optimizer and cuda) or None,
+    )
     compiled = compilation.compiles(cfg, device)
     forward = torch.compile(model) if compiled else model
     loss_of = compilation.loss_function(compiled)
@@ -338,14 +346,25 @@ def figures(result: dict) -> dict:
         for size, loops in times.items()
     }
     tokens = result["batch_per_process"] * result["tokens_per_sample"]  # per process and step
-    report["mfu"] = {
-        size: {
-            loop: spread([perf.mfu(tokens / (ms / 1e3), result["flops_per_token"], 1, result["peak_flops"]) or 0.0
-                          for ms in times[size][loop]])
-            for loop in ("template", "reference")
+    report["mfu"] = (
+        {
+            size: {
+                loop: spread(
+                    [
+                        perf.mfu(
+                            tokens / (ms / 1e3), result["flops_per_token"], 1, result["peak_flops"]
+                        )
+                        or 0.0
+                        for ms in times[size][loop]
+                    ]
+                )
+                for loop in ("template", "reference")
+            }
+            for size in times
         }
-        for size in times
-    } if result.get("flops_per_token") and result.get("peak_flops") else None  # fmt: skip
+        if result.get("flops_per_token") and result.get("peak_flops")
+        else None
+    )
     report["goodput"] = steady_goodput(
         result.get("cadence"), statistics.median(times[str(n)]["template"])
     )
@@ -454,10 +473,25 @@ def render(report: dict) -> str:
 
 def run_workers(args: argparse.Namespace, nproc: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", f"{PACKAGE}.bench", "--worker", scratch,
-                   "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   *args.overrides]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            f"{PACKAGE}.bench",
+            "--worker",
+            scratch,
+            "--pairs",
+            str(args.pairs),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+            *args.overrides,
+        ]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -489,9 +523,10 @@ def unwritable(path: Path) -> str | None:
 
 def main() -> int:
     parser = Parser(
-        prog=f"{PACKAGE}.bench", description=__doc__,
+        prog=f"{PACKAGE}.bench",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--pairs", type=at_least(1), default=5, help="template/reference pairs")
     parser.add_argument(
         "--warmup", type=at_least(0), default=25, help="untimed steps, in whole log windows"

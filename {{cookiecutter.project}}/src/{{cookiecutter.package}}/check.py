@@ -21,15 +21,18 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--nproc-per-node", type=int,
+        "--nproc-per-node",
+        type=int,
         help="check for this many processes on one node: GPUs visible, a batch for each shard",
-    )  # fmt: skip
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1:
-            print(f"error: --nproc-per-node={args.nproc_per_node}: must be at least 1",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: --nproc-per-node={args.nproc_per_node}: must be at least 1",
+                file=sys.stderr,
+            )
             return Exit.CONFIG_ERROR
         os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(args.nproc_per_node)
     problem = config_problem(args.overrides)

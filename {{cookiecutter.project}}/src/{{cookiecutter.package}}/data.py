@@ -158,8 +158,10 @@ def main() -> int:
     try:
         count = prepare(args.text, args.out)
     except OSError as err:
-        print(f"error: {err.filename or args.out}: {err.strerror or err}; {args.out} not written",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {err.filename or args.out}: {err.strerror or err}; {args.out} not written",
+            file=sys.stderr,
+        )
         return Exit.FAILED
     except KeyboardInterrupt:
         print(f"interrupted; {args.out} not written", file=sys.stderr)

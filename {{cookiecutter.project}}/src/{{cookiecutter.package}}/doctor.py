@@ -134,8 +134,18 @@ def run_profile(
 ) -> ProfileResult:
     """One torchrun of allreduce under `env` on top of `base` (default: this environment);
     `measures`: it holds rank 0, which prints the result."""
-    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
-               "-m", f"{PACKAGE}.nccl.allreduce", "--sizes-mib", *map(str, sizes)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous,
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        f"{PACKAGE}.nccl.allreduce",
+        "--sizes-mib",
+        *map(str, sizes),
+    ]
     outcome = probe.run_with_hard_timeout(
         command, timeout_s, env={**(os.environ if base is None else base), **env}, capture=True
     )
@@ -283,8 +293,11 @@ def render(report: dict) -> str:
         )
         lines.append(row.rstrip() + (f"   {r['error']}" if r["error"] else ""))
     if report.get("pin"):
-        lines += ["", f"Recommended: nccl={report['recommended']}, the fastest profile that works here. Pin it:",
-                  f"  {report['pin']}"]  # fmt: skip
+        lines += [
+            "",
+            f"Recommended: nccl={report['recommended']}, the fastest profile that works here. Pin it:",
+            f"  {report['pin']}",
+        ]
         results = {
             r["profile"]: r["busbw_gbps"] for r in report["profiles"] if r["result"] == "works"
         }
@@ -296,10 +309,14 @@ def render(report: dict) -> str:
         lines += ["", "gloo works on CPU."]
     elif not report["between_gpus"]:
         works = [r["profile"] for r in report["profiles"] if r["result"] == "works"]
-        lines += ["", f"Nothing between GPUs to test here. One process's NCCL init works under "
-                      f"{', '.join(works)}; training on one GPU needs no profile choice."
-                  if works else "One process's NCCL init fails under every profile: read the "
-                  "errors above; NCCL_DEBUG=INFO shows more."]  # fmt: skip
+        lines += [
+            "",
+            f"Nothing between GPUs to test here. One process's NCCL init works under "
+            f"{', '.join(works)}; training on one GPU needs no profile choice."
+            if works
+            else "One process's NCCL init fails under every profile: read the "
+            "errors above; NCCL_DEBUG=INFO shows more.",
+        ]
     else:
         lines += ["", "No profile works. Read the errors above; NCCL_DEBUG=INFO shows more."]
     return "\n".join(lines)
@@ -338,18 +355,23 @@ class Control:
             self.reachable(time.monotonic() + nodes.join_timeout_s)
         try:
             self.store = TCPStore(
-                nodes.master_addr, nodes.master_port, world_size=nodes.count,
-                is_master=nodes.rank == 0, timeout=timedelta(seconds=nodes.join_timeout_s),
+                nodes.master_addr,
+                nodes.master_port,
+                world_size=nodes.count,
+                is_master=nodes.rank == 0,
+                timeout=timedelta(seconds=nodes.join_timeout_s),
                 wait_for_workers=False,
-            )  # fmt: skip
+            )
         except (RuntimeError, OSError) as err:  # DistStoreError is a RuntimeError
             raise NotJoined(self.not_met(str(err).splitlines()[0][:200])) from None
         self.together("joined", nodes.join_timeout_s)
 
     def not_met(self, why: str) -> str:
         n = self.nodes
-        return (f"node {n.rank}: the doctors of {n.count} nodes did not meet at {n.master_addr}:"
-                f"{n.master_port} within {n.join_timeout_s:g} s ({why})")  # fmt: skip
+        return (
+            f"node {n.rank}: the doctors of {n.count} nodes did not meet at {n.master_addr}:"
+            f"{n.master_port} within {n.join_timeout_s:g} s ({why})"
+        )
 
     def reachable(self, deadline: float) -> None:
         while True:
@@ -372,9 +394,10 @@ class Control:
         while self.store.add(key, 0) < self.nodes.count:
             if time.monotonic() > deadline:
                 raise NotJoined(
-                    self.not_met("not every node came") if key == "joined"
+                    self.not_met("not every node came")
+                    if key == "joined"
                     else f"node {self.nodes.rank}: not every node reached {key} within {within_s:g} s"
-                )  # fmt: skip
+                )
             time.sleep(0.05)
 
     def publish(self, key: str, value: dict | int) -> None:
@@ -423,24 +446,37 @@ def diagnose_nodes(
     rows = [nodes.training_profile, *(n for n in names if n != nodes.training_profile)]
     configs = profile_configs(rows)
     sizes = GPU_SIZES_MIB if gpus else CPU_SIZES_MIB
-    rendezvous = ("--nnodes", str(nodes.count), "--node-rank", str(nodes.rank), "--master-addr",
-                  nodes.master_addr, "--master-port", str(nodes.master_port + 1))  # fmt: skip
+    rendezvous = (
+        "--nnodes",
+        str(nodes.count),
+        "--node-rank",
+        str(nodes.rank),
+        "--master-addr",
+        nodes.master_addr,
+        "--master-port",
+        str(nodes.master_port + 1),
+    )
     results = []
     for index, name in enumerate(rows):
         inherited = os.environ if name == nodes.training_profile else others
         decision = nccl.decide(configs[name].nccl, facts, inherited)
         # a node that lost its profile's torchrun to the timeout catches up here, before the next
         control.together(f"start/{index}", within_s=timeout_s + 120)
-        own = run_profile(name, decision.env, nproc, sizes, timeout_s, rendezvous, nodes.rank == 0,
-                          base=inherited)  # fmt: skip
+        own = run_profile(
+            name, decision.env, nproc, sizes, timeout_s, rendezvous, nodes.rank == 0, base=inherited
+        )
         control.publish(f"result/{index}", asdict(own))
         if nodes.rank == 0:
             results.append(across_nodes(control.gather(f"result/{index}"), nodes.count))
     verdict = None
     if nodes.rank == 0:
-        report |= {"nodes": nodes.count, "node_facts": control.gather("facts"),
-                   "training_profile": nodes.training_profile, "sizes": [f"{mib}MiB" for mib in sizes],
-                   "profiles": [asdict(r) for r in results]}  # fmt: skip
+        report |= {
+            "nodes": nodes.count,
+            "node_facts": control.gather("facts"),
+            "training_profile": nodes.training_profile,
+            "sizes": [f"{mib}MiB" for mib in sizes],
+            "profiles": [asdict(r) for r in results],
+        }
         if not gpus:
             report["note"] = (
                 "no CUDA device is visible: each profile's row is gloo on CPU (NCCL's variables do "
@@ -502,11 +538,15 @@ def render_nodes(report: dict) -> str:
             f"Verdict: nccl={training} works across {count} nodes: start training (exit 0)."
         )
     elif best:
-        lines.append(f"Verdict: nccl={training} does not work across {count} nodes: do not start training "
-                     f"(exit 1). nccl={best} works, the fastest that does: make k8s-render ARGS=nccl={best}")  # fmt: skip
+        lines.append(
+            f"Verdict: nccl={training} does not work across {count} nodes: do not start training "
+            f"(exit 1). nccl={best} works, the fastest that does: make k8s-render ARGS=nccl={best}"
+        )
     else:
-        lines.append(f"Verdict: no profile works across {count} nodes: do not start training (exit 1). "
-                     "Read the errors above; NCCL_DEBUG=INFO shows more.")  # fmt: skip
+        lines.append(
+            f"Verdict: no profile works across {count} nodes: do not start training (exit 1). "
+            "Read the errors above; NCCL_DEBUG=INFO shows more."
+        )
     return "\n".join(lines)
 
 
@@ -534,8 +574,14 @@ def variable(text: str) -> str:
     return text
 
 
-NODES_ONLY = ("node_rank", "master_addr", "master_port", "join_timeout_s", "training_profile",
-              "training_vars")  # fmt: skip
+NODES_ONLY = (
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "join_timeout_s",
+    "training_profile",
+    "training_vars",
+)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
@@ -543,16 +589,21 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     --training-profile asks for the verdict on it, on one node too (make k8s-doctor's one pod)."""
     given = [f"--{k.replace('_', '-')}" for k in NODES_ONLY if getattr(args, k) is not None]
     if args.profiles and "infiniband" in args.profiles and args.nnodes == 1:
-        raise Refused("--profiles infiniband: on one node it acts as auto; it differs between "
-                      "nodes (--nnodes 2 or more)")  # fmt: skip
+        raise Refused(
+            "--profiles infiniband: on one node it acts as auto; it differs between "
+            "nodes (--nnodes 2 or more)"
+        )
     if args.nnodes == 1 and args.training_profile is None:
         if given:
             raise Refused(
                 f"{', '.join(given)}: only with --nnodes 2 or more, or --training-profile"
             )
         return None
-    missing = [f"--{k.replace('_', '-')}" for k in ("master_addr", "master_port")
-               if getattr(args, k) is None]  # fmt: skip
+    missing = [
+        f"--{k.replace('_', '-')}"
+        for k in ("master_addr", "master_port")
+        if getattr(args, k) is None
+    ]
     if missing:
         raise Refused(
             f"--nnodes {args.nnodes}: {' and '.join(missing)} must say where node 0's doctor listens"
@@ -561,8 +612,15 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     if rank >= args.nnodes:
         raise Refused(f"--node-rank {rank}: must be below --nnodes {args.nnodes}")
     training = args.training_profile or default_profile()
-    return Nodes(args.nnodes, rank, args.master_addr, args.master_port, args.join_timeout_s or 300.0,
-                 training, tuple(args.training_vars or ()))  # fmt: skip
+    return Nodes(
+        args.nnodes,
+        rank,
+        args.master_addr,
+        args.master_port,
+        args.join_timeout_s or 300.0,
+        training,
+        tuple(args.training_vars or ()),
+    )
 
 
 def default_profile() -> str:
@@ -577,14 +635,19 @@ def main() -> int:
         signal.SIGINT, signal.default_int_handler
     )  # the imports are done: KeyboardInterrupt
     parser = Parser(
-        prog=f"{PACKAGE}.doctor", description=__doc__,
+        prog=f"{PACKAGE}.doctor",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the report"
     )
-    parser.add_argument("--profiles", nargs="+", choices=NODES_PROFILES,
-                        help=f"default: {' '.join(PROFILES)}; with --nnodes 2 or more, infiniband too")  # fmt: skip
+    parser.add_argument(
+        "--profiles",
+        nargs="+",
+        choices=NODES_PROFILES,
+        help=f"default: {' '.join(PROFILES)}; with --nnodes 2 or more, infiniband too",
+    )
     parser.add_argument(
         "--nproc", type=at_least(1), help="processes to test with (default: all GPUs, or 2 on CPU)"
     )
@@ -610,8 +673,13 @@ def main() -> int:
         choices=NODES_PROFILES,
         help="training's NCCL profile: the verdict (default: configs/train.yaml's)",
     )
-    nodes.add_argument("--training-vars", nargs="*", type=variable, metavar="VAR",
-                       help="the variables the manifest sets for training's profile")  # fmt: skip
+    nodes.add_argument(
+        "--training-vars",
+        nargs="*",
+        type=variable,
+        metavar="VAR",
+        help="the variables the manifest sets for training's profile",
+    )
     args = parser.parse_args()
     try:
         several = nodes_of(args)

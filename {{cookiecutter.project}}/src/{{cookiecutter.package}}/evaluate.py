@@ -82,8 +82,10 @@ def load(path: Path) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise refuse("holds Python objects beyond tensors and plain data, which no checkpoint of "
-                     "this project does; not loaded (torch.load weights_only)") from None  # fmt: skip
+        raise refuse(
+            "holds Python objects beyond tensors and plain data, which no checkpoint of "
+            "this project does; not loaded (torch.load weights_only)"
+        ) from None
     except Exception as err:  # a damaged archive: torch says what it could not read
         raise refuse(f"cannot be loaded: {' '.join(str(err).split())[:200]}") from None
     if not isinstance(state, dict):
@@ -197,9 +199,13 @@ def held_out(cfg: TrainConfig, world: World, batch_given: bool) -> Dataset:
             + (f"; evaluate on at most {count} process(es)" if count else ": nothing to score")
         )
     if batch_given:
-        require(per_process >= cfg.data.batch_size, "data.batch_size", cfg.data.batch_size,
-                f"each of {world.size} process(es) scores {per_process} of the {count} held-out "
-                f"samples of {source}; use a batch size of at most {per_process}")  # fmt: skip
+        require(
+            per_process >= cfg.data.batch_size,
+            "data.batch_size",
+            cfg.data.batch_size,
+            f"each of {world.size} process(es) scores {per_process} of the {count} held-out "
+            f"samples of {source}; use a batch size of at most {per_process}",
+        )
     return data
 
 
@@ -286,20 +292,26 @@ def main() -> int:
         return Exit.CONFIG_ERROR
     except KeyboardInterrupt:
         if world.local_rank == 0:
-            print("evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "evaluate: stopped by Ctrl-C before the score was complete; nothing saved",
+                file=sys.stderr,
+            )
         return Exit.INTERRUPTED
     if not world.main:
         return Exit.OK
-    score = (f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
-             f"{result['held_out_predictions']} held-out predictions")  # fmt: skip
+    score = (
+        f"{path}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.3f} on "
+        f"{result['held_out_predictions']} held-out predictions"
+    )
     out = result_path(path)
     try:
         save(result, out)
     except OSError as err:  # the score was paid for: print it whatever the disk says
         print(score, flush=True)
-        print(f"evaluate: could not save {out}: {err.strerror or err}; the score above is all there is",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"evaluate: could not save {out}: {err.strerror or err}; the score above is all there is",
+            file=sys.stderr,
+        )
         return Exit.FAILED
     print(f"{score} -> {out}")
     return Exit.OK

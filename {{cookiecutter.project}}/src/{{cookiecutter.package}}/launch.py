@@ -144,14 +144,18 @@ def rendezvous_problem(parsed: argparse.Namespace, err: RendezvousError) -> str:
     endpoint = parsed.rdzv_endpoint
     if isinstance(err, RendezvousConnectionError):
         seconds = rendezvous_timeout(parsed, "read_timeout")
-        return (f"could not reach the rendezvous at {endpoint} within {seconds} s (--rdzv-conf "
-                "read_timeout; deploy.rdzv_timeout_s in k8s/): the node that hosts it (pod 0) has "
-                f"not started, or its port is closed to this node ({err.__cause__ or err})")  # fmt: skip
+        return (
+            f"could not reach the rendezvous at {endpoint} within {seconds} s (--rdzv-conf "
+            "read_timeout; deploy.rdzv_timeout_s in k8s/): the node that hosts it (pod 0) has "
+            f"not started, or its port is closed to this node ({err.__cause__ or err})"
+        )
     if isinstance(err, RendezvousTimeoutError):
         seconds = rendezvous_timeout(parsed, "join_timeout")
-        return (f"the rendezvous at {endpoint} did not gather its {parsed.nnodes} nodes within "
-                f"{seconds} s (--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/): a node has "
-                "not started")  # fmt: skip
+        return (
+            f"the rendezvous at {endpoint} did not gather its {parsed.nnodes} nodes within "
+            f"{seconds} s (--rdzv-conf join_timeout; deploy.rdzv_timeout_s in k8s/): a node has "
+            "not started"
+        )
     return f"the rendezvous failed: {err}"
 
 
@@ -331,8 +335,10 @@ def launch(args: list[str]) -> int:
                     say(f": {rendezvous_problem(parsed, err)}")
                     return Exit.FAILED
                 seconds = rendezvous_timeout(parsed, "read_timeout")
-                say(f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
-                    f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s")  # fmt: skip
+                say(
+                    f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
+                    f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s"
+                )
                 hear_stops()
             except RendezvousError as err:
                 say(f": {rendezvous_problem(parsed, err)}")

@@ -175,8 +175,12 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
             if world.main:
                 log.info(
                     "%s run %s: world size %d, backend %s, gate all-reduce passed, run dir %s",
-                    PROJECT, run_dir.name, world.size, dist.get_backend(), run_dir,
-                )  # fmt: skip
+                    PROJECT,
+                    run_dir.name,
+                    world.size,
+                    dist.get_backend(),
+                    run_dir,
+                )
                 if device.type == "cpu":
                     report_cpu_settings(cfg)
                 if cache:

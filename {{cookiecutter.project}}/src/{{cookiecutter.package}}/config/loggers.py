@@ -46,18 +46,28 @@ class WandbConfig:
         # W&B's own limits (wandb_settings), which it reports only once the run starts.
         project = self.project
         require(
-            project is None or (len(project.strip()) > 0 and len(project) <= 128 and not set(project) & set("/\\#?%:")),
-            "logger.wandb.project", repr(project),
+            project is None
+            or (
+                len(project.strip()) > 0
+                and len(project) <= 128
+                and not set(project) & set("/\\#?%:")
+            ),
+            "logger.wandb.project",
+            repr(project),
             "must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
-        )  # fmt: skip
+        )
         require(
-            self.entity is None or self.entity.strip() != "", "logger.wandb.entity", repr(self.entity),
+            self.entity is None or self.entity.strip() != "",
+            "logger.wandb.entity",
+            repr(self.entity),
             "must be null (your default entity) or a name that is not blank",
-        )  # fmt: skip
+        )
         require(
-            all(0 < len(tag) <= 64 for tag in self.tags), "logger.wandb.tags", self.tags,
+            all(0 < len(tag) <= 64 for tag in self.tags),
+            "logger.wandb.tags",
+            self.tags,
             "each tag must be 1 to 64 characters",
-        )  # fmt: skip
+        )
 
 
 # The tracking URIs MLflow-skinny can use without a database driver: a server, or a folder.
@@ -79,9 +89,10 @@ class MlflowLoggerConfig:
                 raise ConfigError(f"logger.mlflow.tracking_uri={self.tracking_uri}: {problem}")
         require(
             self.experiment is None or self.experiment.strip() != "",
-            "logger.mlflow.experiment", repr(self.experiment),
+            "logger.mlflow.experiment",
+            repr(self.experiment),
             "must be null (this project's name) or a name that is not blank",
-        )  # fmt: skip
+        )
 
 
 def mlflow_uri_problem(uri: str) -> str | None:

@@ -122,8 +122,10 @@ class GptConfig:
         require(self.n_head >= 1, "model.n_head", self.n_head, "must be at least 1")
         require(
             self.d_model >= 1 and self.d_model % self.n_head == 0,
-            "model.d_model", self.d_model, f"must be a positive multiple of model.n_head={self.n_head}",
-        )  # fmt: skip
+            "model.d_model",
+            self.d_model,
+            f"must be a positive multiple of model.n_head={self.n_head}",
+        )
 
 
 HELD_OUT = 10  # one part in this many is held out for evaluation

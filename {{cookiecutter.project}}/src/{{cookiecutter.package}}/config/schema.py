@@ -105,17 +105,22 @@ class TrainerConfig:
         )
         require(
             self.min_lr is None or (finite(self.min_lr) and 0 <= self.min_lr <= self.lr),
-            "trainer.min_lr", self.min_lr,
+            "trainer.min_lr",
+            self.min_lr,
             f"must be null (trainer.lr/10) or a finite number from 0 to trainer.lr={self.lr}",
-        )  # fmt: skip
+        )
         require(
             finite(self.weight_decay) and self.weight_decay >= 0,
-            "trainer.weight_decay", self.weight_decay, "must be a finite number, 0 or more",
-        )  # fmt: skip
+            "trainer.weight_decay",
+            self.weight_decay,
+            "must be a finite number, 0 or more",
+        )
         require(
             self.max_grad_norm is None or (finite(self.max_grad_norm) and self.max_grad_norm > 0),
-            "trainer.max_grad_norm", self.max_grad_norm, "must be null (no clipping) or a finite number above 0",
-        )  # fmt: skip
+            "trainer.max_grad_norm",
+            self.max_grad_norm,
+            "must be null (no clipping) or a finite number above 0",
+        )
         require(self.log_every >= 1, "trainer.log_every", self.log_every, "must be at least 1")
         require(
             0 <= self.seed < 2**63,
@@ -184,9 +189,11 @@ class DistConfig:
         for key in ("timeout_s", "gate_timeout_s", "checkpoint_timeout_s"):
             seconds = getattr(self, key)
             require(
-                1 <= seconds <= MAX_TIMEOUT_S, f"dist.{key}", seconds,
+                1 <= seconds <= MAX_TIMEOUT_S,
+                f"dist.{key}",
+                seconds,
                 f"must be 1 to {MAX_TIMEOUT_S} seconds (a week)",
-            )  # fmt: skip
+            )
         require(
             self.async_error_handling in (None, 0, 1, 2, 3),
             "dist.async_error_handling",

@@ -150,10 +150,12 @@ def check_profile_name(profile: NcclConfig, chosen: str) -> None:
     """nccl.profile names the profile in force, in logs, failure reports and the bench's figures:
     it must be the one that nccl=<name> chose."""
     require(
-        profile.profile == chosen, "nccl.profile", profile.profile,
+        profile.profile == chosen,
+        "nccl.profile",
+        profile.profile,
         f"must be {chosen}, the name of the profile nccl={chosen} chose; keep `profile: {chosen}` "
         f"in configs/nccl/{chosen}.yaml, and choose a profile with nccl=<name>",
-    )  # fmt: skip
+    )
 
 
 def config_keys(node: Any, prefix: str = "") -> set[str]:

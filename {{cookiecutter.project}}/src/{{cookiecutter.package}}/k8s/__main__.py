@@ -55,8 +55,11 @@ def main() -> int:
         return Exit.CONFIG_ERROR
     command = f"python -m {PACKAGE}.k8s" + (f" --out {args.out}" if given else "")
     if args.check and args.overrides:
-        print(f"error: --check compares k8s/ with configs/ as they are: run {command} "
-              f"{' '.join(args.overrides)} to write the overrides first", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: --check compares k8s/ with configs/ as they are: run {command} "
+            f"{' '.join(args.overrides)} to write the overrides first",
+            file=sys.stderr,
+        )
         return Exit.CONFIG_ERROR
     # A project's own configs/ when run in it (the files an override is written to), else the
     # installed package's.
@@ -75,13 +78,17 @@ def main() -> int:
                 print(f"{args.out}/ matches configs/ ({', '.join(rendered)})")
                 return Exit.OK
             sys.stdout.writelines(sync.unified_diff(rendered, args.out))
-            print(f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
+                file=sys.stderr,
+            )
             return Exit.FAILED
         if args.overrides:
             if folder is None:
-                print(f"error: no configs/ here to write the overrides to: run {command} in the project",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"error: no configs/ here to write the overrides to: run {command} in the project",
+                    file=sys.stderr,
+                )
                 return Exit.CONFIG_ERROR
             composed = {"deploy": deploy, "nccl": profile, "profile": cfg.nccl.profile}
             try:
@@ -109,8 +116,11 @@ def run() -> int:
     try:
         return main()
     except KeyboardInterrupt:  # configs/ and k8s/ are each replaced at once: old or new, never half
-        print(f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says whether "
-              "k8s/ matches configs/", file=sys.stderr)  # fmt: skip
+        print(
+            f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says whether "
+            "k8s/ matches configs/",
+            file=sys.stderr,
+        )
         return Exit.INTERRUPTED
 
 

@@ -87,8 +87,9 @@ SERVER_CAUSE = re.compile(
 def kubectl(*args: str, stdin: str | None = None) -> str:
     timeout = CALL_TIMEOUT_S + waits_for(args)
     try:
-        done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         raise TimedOut(f"kubectl {args[0]} got no answer in {timeout} s") from None
     if done.returncode != 0:
@@ -159,8 +160,9 @@ def missing_kubeconfig() -> str | None:
 def current_context() -> str | None:
     """kubectl's current context, read from its kubeconfig (no server asked); None if it has none."""
     try:
-        done = subprocess.run(["kubectl", "config", "current-context"], capture_output=True,
-                              text=True, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            ["kubectl", "config", "current-context"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -254,8 +256,11 @@ def server_check(objects: list[tuple[str, dict[str, Any]]]) -> None:
             template = pod_template(manifest)
             if template is None:
                 continue
-            metadata = {"name": renamed["metadata"]["name"], "namespace": manifest["metadata"]["namespace"],
-                        "labels": template.get("metadata", {}).get("labels", {})}  # fmt: skip
+            metadata = {
+                "name": renamed["metadata"]["name"],
+                "namespace": manifest["metadata"]["namespace"],
+                "labels": template.get("metadata", {}).get("labels", {}),
+            }
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -376,15 +381,19 @@ def notes(
     before = set().union(*(claims_of(i) for i in old)) - claims if old else set()
     for claim in sorted(before):
         (new,) = sorted(claims) or ["none"]
-        said.append(f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 on "
-                    f"the empty {new}; {claim} is kept with the old checkpoints: copy them over with a pod "
-                    f"that mounts both, or set deploy.runs_claim={claim} if its access mode suits")  # fmt: skip
+        said.append(
+            f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 on "
+            f"the empty {new}; {claim} is kept with the old checkpoints: copy them over with a pod "
+            f"that mounts both, or set deploy.runs_claim={claim} if its access mode suits"
+        )
     for job in earlier:
         kind, other, where = job["kind"], job["metadata"]["name"], job["metadata"]["namespace"]
         runs = ", ".join(sorted(claims_of(job))) or "no claim"
-        said.append(f"note: {kind}/{other} in {where} is this project's training job too, under an earlier "
-                    f"deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: {runs}): "
-                    f"kubectl delete -n {where} {kind.lower()}/{other} stops it")  # fmt: skip
+        said.append(
+            f"note: {kind}/{other} in {where} is this project's training job too, under an earlier "
+            f"deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: {runs}): "
+            f"kubectl delete -n {where} {kind.lower()}/{other} stops it"
+        )
     mentioned = {(j["metadata"]["namespace"], j["metadata"]["name"]) for j in earlier}
     others = [
         i
@@ -395,15 +404,19 @@ def notes(
         and (i["metadata"]["namespace"], i["metadata"]["name"]) not in mentioned
     ]
     for other in others:
-        said.append(f"note: {other['kind']}/{other['metadata']['name']} in {namespace} mounts "
-                    f"{', '.join(sorted(claims_of(other) & claims))} too and keeps running (an earlier "
-                    f"deploy.name?): kubectl delete -n {namespace} {other['kind'].lower()}/{other['metadata']['name']} "
-                    "stops it")  # fmt: skip
+        said.append(
+            f"note: {other['kind']}/{other['metadata']['name']} in {namespace} mounts "
+            f"{', '.join(sorted(claims_of(other) & claims))} too and keeps running (an earlier "
+            f"deploy.name?): kubectl delete -n {namespace} {other['kind'].lower()}/{other['metadata']['name']} "
+            "stops it"
+        )
     if not old and not others and not earlier and not everywhere:
-        said.append(f"note: nothing of {name} ran in {namespace}, and other namespaces could not be listed; a "
-                    "job of an earlier deploy.namespace keeps running: kubectl get "
-                    f"{','.join(WORKLOADS.values())} -A -l {PART_OF_LABEL}={PROJECT},{COMPONENT_LABEL}={TRAINING} "
-                    "lists them")  # fmt: skip
+        said.append(
+            f"note: nothing of {name} ran in {namespace}, and other namespaces could not be listed; a "
+            "job of an earlier deploy.namespace keeps running: kubectl get "
+            f"{','.join(WORKLOADS.values())} -A -l {PART_OF_LABEL}={PROJECT},{COMPONENT_LABEL}={TRAINING} "
+            "lists them"
+        )
     return said
 
 
@@ -428,8 +441,10 @@ def main(folder: Path = Path("k8s")) -> int:
         try:
             files = load(folder) if folder.is_dir() else []
         except Foreign as foreign:
-            return fail(f"{folder}/ holds what python -m {PACKAGE}.k8s does not write: {foreign}; "
-                        "move those files out of it (kubectl apply -f them yourself); nothing was changed")  # fmt: skip
+            return fail(
+                f"{folder}/ holds what python -m {PACKAGE}.k8s does not write: {foreign}; "
+                "move those files out of it (kubectl apply -f them yourself); nothing was changed"
+            )
         if not files:
             return fail(f"{folder}/ holds no manifests: python -m {PACKAGE}.k8s writes them")
         objects = [manifest for _, manifest in files]
@@ -470,17 +485,27 @@ def main(folder: Path = Path("k8s")) -> int:
                 )
             limit = grace + DELETE_SLACK_S
             try:
-                kubectl("delete", "-n", namespace, old, "--cascade=foreground", "--wait",
-                        "--ignore-not-found", f"--timeout={limit}s")  # fmt: skip
+                kubectl(
+                    "delete",
+                    "-n",
+                    namespace,
+                    old,
+                    "--cascade=foreground",
+                    "--wait",
+                    "--ignore-not-found",
+                    f"--timeout={limit}s",
+                )
             except Unreachable:
                 raise
             except Refused as refused:
                 if "timed out" not in str(refused) and not isinstance(refused, TimedOut):
                     raise
-                return fail(f"{old} is still there after {limit} s ({refused}): kubectl get pods -n {namespace} "
-                            f"-l {NAME_LABEL}={workload['metadata']['labels'][NAME_LABEL]} shows what is left; a "
-                            "pod stuck Terminating on a lost node needs kubectl delete pod --force; "
-                            f"{folder}/ is not applied: run make k8s-apply again")  # fmt: skip
+                return fail(
+                    f"{old} is still there after {limit} s ({refused}): kubectl get pods -n {namespace} "
+                    f"-l {NAME_LABEL}={workload['metadata']['labels'][NAME_LABEL]} shows what is left; a "
+                    "pod stuck Terminating on a lost node needs kubectl delete pod --force; "
+                    f"{folder}/ is not applied: run make k8s-apply again"
+                )
             print(f"deleted {old}")
         state = f"{folder}/ may be partly applied: run make k8s-apply again"
         print(kubectl("apply", "-f", f"{folder}/"), end="")

@@ -49,8 +49,15 @@ SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # a Secret's data key
 NCCL_VARS = re.compile(r"(TORCH_)?NCCL_\w*|GLOO_\w*")
 SECRET_LIKE = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
 # What the trainer container's env already holds (pods.py and the launch lines).
-OWN_ENV = ("HOME", "PYTHONUNBUFFERED", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "POD_IP",
-           "JOB_COMPLETION_INDEX", "RDZV_HOST", "RDZV_PORT")  # fmt: skip
+OWN_ENV = (
+    "HOME",
+    "PYTHONUNBUFFERED",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "POD_IP",
+    "JOB_COMPLETION_INDEX",
+    "RDZV_HOST",
+    "RDZV_PORT",
+)
 
 
 def whole_number(value: Any, low: int, high: float = math.inf) -> bool:
@@ -85,7 +92,8 @@ def toleration_errors(key: str, toleration: Any) -> list[str]:
     problems = {
         "operator": (operator in ("Equal", "Exists"), "must be Equal or Exists"),
         "key": (
-            label_key_ok(toleration.get("key")) or (operator == "Exists" and not toleration.get("key")),
+            label_key_ok(toleration.get("key"))
+            or (operator == "Exists" and not toleration.get("key")),
             "must be a taint key such as nvidia.com/gpu (only operator Exists may leave it out)",
         ),
         "value": (
@@ -93,13 +101,16 @@ def toleration_errors(key: str, toleration: Any) -> list[str]:
             and not (operator == "Exists" and toleration.get("value")),
             "must be a label value (63 characters: letters, digits, '-', '_', '.'), empty with operator Exists",
         ),
-        "effect": (effect in ("", *TAINT_EFFECTS), f"must be empty (any effect) or one of {', '.join(TAINT_EFFECTS)}"),
+        "effect": (
+            effect in ("", *TAINT_EFFECTS),
+            f"must be empty (any effect) or one of {', '.join(TAINT_EFFECTS)}",
+        ),
         "tolerationSeconds": (
             "tolerationSeconds" not in toleration
             or (whole_number(toleration["tolerationSeconds"], 0) and effect == "NoExecute"),
             "must be a whole number of seconds, 0 or more, with effect NoExecute",
         ),
-    }  # fmt: skip
+    }
     return [
         f"{key}.{field}={toleration.get(field)}: {allowed}"
         for field, (ok, allowed) in problems.items()
@@ -112,8 +123,10 @@ def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[
     found = []
     for name, value in deploy[key].items():
         if not label_key_ok(name):
-            found.append(f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} key "
-                         "([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, letters, digits, '-', '_', '.')")  # fmt: skip
+            found.append(
+                f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} key "
+                "([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, letters, digits, '-', '_', '.')"
+            )
         elif isinstance(value, float):
             found.append(typed_value_error(key, name, value))
         elif not isinstance(value, str | bool | int) or (
@@ -174,7 +187,7 @@ def env_errors(deploy: Mapping[str, Any]) -> list[str]:
                     f"{where}={value}: must be <Secret>/<key>, such as wandb/api-key "
                     "(a Secret's name, a DNS subdomain; a key: letters, digits, '-', '_', '.')"
                 )
-    return found  # fmt: skip
+    return found
 
 
 def secret_ref_ok(value: Any) -> bool:
@@ -204,12 +217,14 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     name, flavor, policy = deploy["name"], deploy["flavor"], deploy["image_pull_policy"]
     check(
         name_ok(name, RFC1035_LABEL, NAME_MAX),
-        "name", f"must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, at most {NAME_MAX} characters",
-    )  # fmt: skip
+        "name",
+        f"must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, at most {NAME_MAX} characters",
+    )
     check(
         name_ok(deploy["namespace"], DNS_LABEL, 63),
-        "namespace", "must be a DNS label: a-z, 0-9 and '-', at most 63 characters",
-    )  # fmt: skip
+        "namespace",
+        "must be a DNS label: a-z, 0-9 and '-', at most 63 characters",
+    )
     check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
     image = deploy["image"]
     parts = IMAGE.fullmatch(image) if isinstance(image, str) and len(image) <= 255 else None
@@ -221,26 +236,30 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     if parts:
         check(
             parts["tag"] or parts["digest"],
-            "image", "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): a node reuses the image it pulled",
-        )  # fmt: skip
+            "image",
+            "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): a node reuses the image it pulled",
+        )
         check(
             parts["tag"] != "latest" or parts["digest"] or policy == "Always",
-            "image", "a node keeps the :latest it pulled first; use a version tag or a digest (or image_pull_policy=Always)",
-        )  # fmt: skip
+            "image",
+            "a node keeps the :latest it pulled first; use a version tag or a digest (or image_pull_policy=Always)",
+        )
     check(
         policy in PULL_POLICIES, "image_pull_policy", f"must be one of {', '.join(PULL_POLICIES)}"
     )
     nodes = deploy["nodes"]
     check(
         whole_number(nodes, 1, INDEXED_MAX),
-        "nodes", f"must be 1 to {INDEXED_MAX} (an Indexed Job's most completions)",
-    )  # fmt: skip
+        "nodes",
+        f"must be 1 to {INDEXED_MAX} (an Indexed Job's most completions)",
+    )
     check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
     cores = quantity(deploy["cpu_per_gpu"])
     check(
         cores and (cores * 1000).denominator == 1,
-        "cpu_per_gpu", "must be a CPU quantity above 0 in steps of 1m, such as 4 or 3500m",
-    )  # fmt: skip
+        "cpu_per_gpu",
+        "must be a CPU quantity above 0 in steps of 1m, such as 4 or 3500m",
+    )
     for key in SIZES:
         size = quantity(deploy[key])
         check(size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G")
@@ -249,8 +268,9 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     most = INT32_MAX // nodes if whole_number(nodes, 1) else INT32_MAX
     check(
         whole_number(deploy["backoff_limit"], 0, most),
-        "backoff_limit", f"must be 0 to {most} (the job's backoffLimit, this x deploy.nodes, is an int32)",
-    )  # fmt: skip
+        "backoff_limit",
+        f"must be 0 to {most} (the job's backoffLimit, this x deploy.nodes, is an int32)",
+    )
     check(
         whole_number(deploy["max_restarts"], 0, INT32_MAX),
         "max_restarts",
@@ -258,28 +278,41 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     )
     check(
         whole_number(deploy["rdzv_timeout_s"], 10, RDZV_TIMEOUT_MAX),
-        "rdzv_timeout_s", f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
-    )  # fmt: skip
+        "rdzv_timeout_s",
+        f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
+    )
     ttl, deadline = deploy["ttl_after_finished_s"], deploy["active_deadline_s"]
     check(
         ttl is None or whole_number(ttl, 0, INT32_MAX),
-        "ttl_after_finished_s", f"must be null (keep) or seconds, 0 to {INT32_MAX}",
-    )  # fmt: skip
+        "ttl_after_finished_s",
+        f"must be null (keep) or seconds, 0 to {INT32_MAX}",
+    )
     check(
         deadline is None or whole_number(deadline, 1, INT64_MAX),
-        "active_deadline_s", "must be null (no limit) or seconds, at least 1",
-    )  # fmt: skip
+        "active_deadline_s",
+        "must be null (no limit) or seconds, at least 1",
+    )
     lost = deploy["lost_node_s"]
     check(
         lost is None or whole_number(lost, 0, LOST_NODE_MAX),
-        "lost_node_s", f"must be null (the cluster's 300 s) or seconds, 0 to {LOST_NODE_MAX} (a day)",
-    )  # fmt: skip
+        "lost_node_s",
+        f"must be null (the cluster's 300 s) or seconds, 0 to {LOST_NODE_MAX} (a day)",
+    )
     check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
     check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
     # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
-    kinds = {"tolerations": list, "node_selector": Mapping, "affinity": Mapping, "extra_resources": Mapping,
-             "capabilities": list, "pod_labels": Mapping, "pod_annotations": Mapping, "image_pull_secrets": list,
-             "env": Mapping, "secret_env": Mapping}  # fmt: skip
+    kinds = {
+        "tolerations": list,
+        "node_selector": Mapping,
+        "affinity": Mapping,
+        "extra_resources": Mapping,
+        "capabilities": list,
+        "pod_labels": Mapping,
+        "pod_annotations": Mapping,
+        "image_pull_secrets": list,
+        "env": Mapping,
+        "secret_env": Mapping,
+    }
     for key, kind in kinds.items():
         check(
             isinstance(deploy[key], kind),
@@ -296,8 +329,10 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
             and toleration.get("key") in LOST_NODE_TAINTS
             and toleration.get("effect", "") in ("", "NoExecute")
         ):
-            found.append(f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
-                         "instead, which tolerates both of a lost node's taints")  # fmt: skip
+            found.append(
+                f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
+                "instead, which tolerates both of a lost node's taints"
+            )
     found += map_errors(deploy, "node_selector", label_values=True)
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
         hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")
@@ -309,12 +344,15 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
             found.append(f"deploy.affinity.{key}: must be a mapping, as in a pod's spec.affinity")
     check(
         not (deploy["one_pod_per_node"] and "podAntiAffinity" in deploy["affinity"]),
-        "one_pod_per_node", "is a podAntiAffinity of its own: set it or deploy.affinity.podAntiAffinity, not both",
-    )  # fmt: skip
+        "one_pod_per_node",
+        "is a podAntiAffinity of its own: set it or deploy.affinity.podAntiAffinity, not both",
+    )
     for key, count in deploy["extra_resources"].items():
         if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
-            found.append(f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
-                         f"such as rdma/rdma_shared_device_a), not one of {', '.join(OWN_RESOURCES)}")  # fmt: skip
+            found.append(
+                f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
+                f"such as rdma/rdma_shared_device_a), not one of {', '.join(OWN_RESOURCES)}"
+            )
         elif not whole_number(count, 1, INT32_MAX):
             found.append(
                 f"deploy.extra_resources.{key}={count}: must be a whole number, 1 to {INT32_MAX}"
@@ -344,23 +382,36 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
             )
     found += env_errors(deploy)
     check(
-        deploy["runs_access_mode"] == "ReadWriteMany" or deploy["runs_claim"] is not None or nodes == 1,
-        "runs_access_mode", "several nodes share the run dir: ReadWriteMany, from a storage class "
+        deploy["runs_access_mode"] == "ReadWriteMany"
+        or deploy["runs_claim"] is not None
+        or nodes == 1,
+        "runs_access_mode",
+        "several nodes share the run dir: ReadWriteMany, from a storage class "
         "that offers it (deploy.storage_class), or an existing claim (deploy.runs_claim)",
-    )  # fmt: skip
-    for key, kind in (("priority_class", "a PriorityClass"), ("storage_class", "a StorageClass"),
-                      ("runs_claim", "a PersistentVolumeClaim")):  # fmt: skip
+    )
+    for key, kind in (
+        ("priority_class", "a PriorityClass"),
+        ("storage_class", "a StorageClass"),
+        ("runs_claim", "a PersistentVolumeClaim"),
+    ):
         check(
             deploy[key] is None or name_ok(deploy[key], DNS_SUBDOMAIN, 253),
-            key, f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
-        )  # fmt: skip
+            key,
+            f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
+        )
     queue = deploy["queue"]
     check(
         queue is None or name_ok(queue, DNS_LABEL, 63),
-        "queue", "must be null or a Kueue LocalQueue name: a-z, 0-9 and '-', at most 63 characters",
-    )  # fmt: skip
-    for key, what in (("queue_priority", "a Kueue WorkloadPriorityClass"),
-                      ("topology", "a node label key naming a topology level, such as cloud.provider.com/topology-rack")):  # fmt: skip
+        "queue",
+        "must be null or a Kueue LocalQueue name: a-z, 0-9 and '-', at most 63 characters",
+    )
+    for key, what in (
+        ("queue_priority", "a Kueue WorkloadPriorityClass"),
+        (
+            "topology",
+            "a node label key naming a topology level, such as cloud.provider.com/topology-rack",
+        ),
+    ):
         value = deploy[key]
         valid = (
             name_ok(value, DNS_SUBDOMAIN, 253) if key == "queue_priority" else label_key_ok(value)
@@ -369,8 +420,9 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         check(value is None or queue is not None, key, "only Kueue reads it: set deploy.queue too")
     check(
         deploy["topology_mode"] in TOPOLOGY_ANNOTATIONS,
-        "topology_mode", f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
-    )  # fmt: skip
+        "topology_mode",
+        f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
+    )
     if flavor in FLAVORS:
         found += pod_name_errors(name, nodes, FLAVORS[flavor])
         found += [
@@ -386,5 +438,7 @@ def pod_name_errors(name: str, nodes: int, flavor: Flavor) -> list[str]:
     if len(longest) <= POD_NAME_MAX:
         return []
     most = POD_NAME_MAX - (len(longest) - len(name))
-    return [f"deploy.name={name}: a {flavor.kind} of {nodes} nodes names a pod {longest} "
-            f"({len(longest)} characters; a pod name holds {POD_NAME_MAX}): at most {most} characters here"]  # fmt: skip
+    return [
+        f"deploy.name={name}: a {flavor.kind} of {nodes} nodes names a pod {longest} "
+        f"({len(longest)} characters; a pod name holds {POD_NAME_MAX}): at most {most} characters here"
+    ]

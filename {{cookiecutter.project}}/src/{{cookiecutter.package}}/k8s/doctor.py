@@ -75,9 +75,20 @@ def doctor_launch(deploy: Mapping[str, Any], profile: str, training_vars: list[s
     pod IP, rendezvous host and port), so that only the command and args differ."""
     name, nodes = doctor_name(deploy), deploy["nodes"]
     env = torchrun_launch(deploy, rendezvous_host=f"{name}-0.{name}").env
-    args = ["--nnodes", str(nodes), "--nproc", str(deploy["gpus_per_node"]),
-            "--timeout-s", str(PROFILE_TIMEOUT_S), "--join-timeout-s", str(deploy["rdzv_timeout_s"]),
-            "--training-profile", profile, "--training-vars", *training_vars]  # fmt: skip
+    args = [
+        "--nnodes",
+        str(nodes),
+        "--nproc",
+        str(deploy["gpus_per_node"]),
+        "--timeout-s",
+        str(PROFILE_TIMEOUT_S),
+        "--join-timeout-s",
+        str(deploy["rdzv_timeout_s"]),
+        "--training-profile",
+        profile,
+        "--training-vars",
+        *training_vars,
+    ]
     if nodes == 1:
         where = ["--master-addr", "localhost", "--master-port", str(deploy["rdzv_port"])]
         return Launch(["python", "-m", f"{PACKAGE}.doctor"], [*where, *args], env)
@@ -178,8 +189,18 @@ def run(found: list[dict], wait_s: float) -> int:
     server_check([(f"{o['kind'].lower()}/{o['metadata']['name']}", o) for o in found])
     # Only the doctor's Job: its pod template cannot change in place; the training's are never listed.
     selector = ",".join(f"{k}={v}" for k, v in identity(project, DOCTOR).items())
-    kubectl("delete", "jobs.batch", "-n", namespace, "-l", selector, "--cascade=foreground",
-            "--wait", "--ignore-not-found", "--timeout=120s")  # fmt: skip
+    kubectl(
+        "delete",
+        "jobs.batch",
+        "-n",
+        namespace,
+        "-l",
+        selector,
+        "--cascade=foreground",
+        "--wait",
+        "--ignore-not-found",
+        "--timeout=120s",
+    )
     print(kubectl("apply", "-f", "-", stdin=as_yaml(found)), end="")
     print(
         f"waiting for job/{name} to end (at most {wait_s:g} s; its pods' log follows)...",
@@ -190,9 +211,11 @@ def run(found: list[dict], wait_s: float) -> int:
     while (ended := finished(namespace, name)) is None:
         waited = time.monotonic() - started
         if waited > wait_s:
-            raise Refused(f"job/{name} has not finished after {wait_s:g} s (pods: "
-                          f"{phases(pods_of(namespace, name))}); it keeps running until its "
-                          f"activeDeadlineSeconds: kubectl describe -n {namespace} job/{name} says why")  # fmt: skip
+            raise Refused(
+                f"job/{name} has not finished after {wait_s:g} s (pods: "
+                f"{phases(pods_of(namespace, name))}); it keeps running until its "
+                f"activeDeadlineSeconds: kubectl describe -n {namespace} job/{name} says why"
+            )
         if time.monotonic() - said >= SAY_EVERY_S:
             print(
                 f"waiting for job/{name}: {waited:.0f} s, pods: {phases(pods_of(namespace, name))}",
@@ -205,8 +228,10 @@ def run(found: list[dict], wait_s: float) -> int:
     if first is not None:
         print(kubectl("logs", "-n", namespace, f"pod/{first['metadata']['name']}"), end="")
     if code is None:
-        raise Refused(f"job/{name} ended {ended} before pod 0's doctor gave a verdict: "
-                      f"kubectl describe -n {namespace} job/{name} says why; do not start training")  # fmt: skip
+        raise Refused(
+            f"job/{name} ended {ended} before pod 0's doctor gave a verdict: "
+            f"kubectl describe -n {namespace} job/{name} says why; do not start training"
+        )
     return code
 
 
@@ -214,12 +239,16 @@ def main() -> int:
     from ..config import compose as check
 
     parser = Parser(
-        prog=f"python -m {PACKAGE}.k8s.doctor", description=__doc__,
+        prog=f"python -m {PACKAGE}.k8s.doctor",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--print", action="store_true", help="print the manifests; apply nothing")
-    parser.add_argument("--wait-s", type=seconds_up_to(WEEK_S, "a week"),
-                        help="how long to wait for the doctor (default: its Job's deadline and a minute)")  # fmt: skip
+    parser.add_argument(
+        "--wait-s",
+        type=seconds_up_to(WEEK_S, "a week"),
+        help="how long to wait for the doctor (default: its Job's deadline and a minute)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, for this run only")
     args = parser.parse_args()
 
@@ -247,8 +276,11 @@ def main() -> int:
     except (Refused, TimedOut) as refused:
         return fail(f"{refused}")
     except KeyboardInterrupt:
-        return fail(f"stopped by SIGINT; {job} may be running: kubectl delete -n {deploy['namespace']} "
-                    f"{job} stops it", Exit.INTERRUPTED)  # fmt: skip
+        return fail(
+            f"stopped by SIGINT; {job} may be running: kubectl delete -n {deploy['namespace']} "
+            f"{job} stops it",
+            Exit.INTERRUPTED,
+        )
 
 
 if __name__ == "__main__":

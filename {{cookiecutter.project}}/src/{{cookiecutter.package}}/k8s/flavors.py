@@ -185,13 +185,23 @@ def trainjob(deploy: Deploy, env: Env) -> dict:
     cannot hold (security contexts, volumes, scheduling) goes in as a runtime patch."""
     name = deploy["name"]
     a = train_args(deploy)  # --nnodes and --nproc-per-node: Trainer's PET_* env
-    launch = Launch(["/bin/sh", "-c", TRAINJOB_LAUNCH, COMMAND],
-                    [*a["rendezvous"], *a["restarts"], *a["run_dir"]], [POD_IP])  # fmt: skip
+    launch = Launch(
+        ["/bin/sh", "-c", TRAINJOB_LAUNCH, COMMAND],
+        [*a["rendezvous"], *a["restarts"], *a["run_dir"]],
+        [POD_IP],
+    )
     # Trainer's torch plugin fills in the container "node"
     container = trainer_container(deploy, env, launch, name=TRAINER_NODE)
     pod = pod_spec(deploy, container, restart="OnFailure")  # the runtime's
-    patched = ("securityContext", "terminationGracePeriodSeconds", "nodeSelector", "affinity",
-               "tolerations", "imagePullSecrets", "volumes")  # fmt: skip
+    patched = (
+        "securityContext",
+        "terminationGracePeriodSeconds",
+        "nodeSelector",
+        "affinity",
+        "tolerations",
+        "imagePullSecrets",
+        "volumes",
+    )
     pod_patch = {key: pod[key] for key in patched if key in pod}
     # Patches cannot set automountServiceAccountToken: a ServiceAccount without a token does.
     pod_patch["serviceAccountName"] = name
@@ -241,9 +251,13 @@ def trainjob_pod_template(trainjob: dict) -> dict:
     (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     template = node["template"]["spec"]["template"]
     trainer = spec["trainer"]
-    fields = {"image": trainer.get("image"), "command": trainer.get("command"),
-              "args": trainer.get("args"), "env": trainer.get("env"),
-              "resources": trainer.get("resourcesPerNode")}  # fmt: skip
+    fields = {
+        "image": trainer.get("image"),
+        "command": trainer.get("command"),
+        "args": trainer.get("args"),
+        "env": trainer.get("env"),
+        "resources": trainer.get("resourcesPerNode"),
+    }
     containers = [
         c | {k: v for k, v in fields.items() if v is not None}
         for c in template["spec"]["containers"]
@@ -278,7 +292,7 @@ def trainjob_cannot(deploy: Deploy) -> list[tuple[str, str]]:
                 deploy["priority_class"] is None,
                 "a TrainJob cannot set it (Trainer v2.3's runtimePatches have no priorityClassName); use a queue",
             ),
-        ]  # fmt: skip
+        ]
         if not ok
     ]
 
@@ -331,33 +345,68 @@ class Flavor:
 
 
 # A Job's pods, and a JobSet's, whose Job holds them: replaced only once failed.
-JOB_LOST_NODE = ("the Job replaces it only when it has failed (podReplacementPolicy Failed, which "
-                 "podFailurePolicy requires)")  # fmt: skip
+JOB_LOST_NODE = (
+    "the Job replaces it only when it has failed (podReplacementPolicy Failed, which "
+    "podFailurePolicy requires)"
+)
 
 FLAVORS = {
-    "job": Flavor("Job", "jobs.batch", job, needs="", pod_name=job_pod_name,
-                  pod_template=lambda w: w["spec"]["template"], lost_node=JOB_LOST_NODE,
-                  companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {},
-                  companion_headers={"service.yaml": "# The headless Service that names each pod of the Indexed Job: {name}-<index>.{name}\n"},
-                  logs="job/{name}"),
-    "jobset": Flavor("JobSet", "jobsets.jobset.x-k8s.io", jobset, pod_name=jobset_pod_name,
-                     needs="the JobSet controller (jobset.x-k8s.io)",
-                     pod_template=lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"],
-                     lost_node=JOB_LOST_NODE),
-    "pytorchjob": Flavor("PyTorchJob", "pytorchjobs.kubeflow.org", pytorchjob, pod_name=pytorchjob_pod_name,
-                         needs="the Kubeflow training operator (kubeflow.org/v1)", kueue_opt_in="kubeflow.org/pytorchjob",
-                         pod_template=lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"],
-                         # the operator names a pod <name>-worker-<index>, without a random suffix
-                         lost_node="its replacement has its name, so the operator can create it only once the old pod is gone"),
-    "trainjob": Flavor("TrainJob", "trainjobs.trainer.kubeflow.org", trainjob, pod_name=jobset_pod_name,
-                       needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
-                       companions=lambda d: {"serviceaccount.yaml": service_account(d)}, cannot=trainjob_cannot,
-                       companion_headers={"serviceaccount.yaml": "# The pods' ServiceAccount, without an API token: a TrainJob "
-                                          "cannot set automountServiceAccountToken on its pods.\n"},
-                       header_note=("# The runtime decides the retries and keeps finished jobs "
-                                    "(deploy.backoff_limit and deploy.ttl_after_finished_s do not apply).\n"),
-                       kueue_opt_in="trainer.kubeflow.org/trainjob", pod_template=trainjob_pod_template,
-                       lost_node=("the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
-                                  "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
-                                  f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot")),
-}  # fmt: skip
+    "job": Flavor(
+        "Job",
+        "jobs.batch",
+        job,
+        needs="",
+        pod_name=job_pod_name,
+        pod_template=lambda w: w["spec"]["template"],
+        lost_node=JOB_LOST_NODE,
+        companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {},
+        companion_headers={
+            "service.yaml": "# The headless Service that names each pod of the Indexed Job: {name}-<index>.{name}\n"
+        },
+        logs="job/{name}",
+    ),
+    "jobset": Flavor(
+        "JobSet",
+        "jobsets.jobset.x-k8s.io",
+        jobset,
+        pod_name=jobset_pod_name,
+        needs="the JobSet controller (jobset.x-k8s.io)",
+        pod_template=lambda w: w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"],
+        lost_node=JOB_LOST_NODE,
+    ),
+    "pytorchjob": Flavor(
+        "PyTorchJob",
+        "pytorchjobs.kubeflow.org",
+        pytorchjob,
+        pod_name=pytorchjob_pod_name,
+        needs="the Kubeflow training operator (kubeflow.org/v1)",
+        kueue_opt_in="kubeflow.org/pytorchjob",
+        pod_template=lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"],
+        # the operator names a pod <name>-worker-<index>, without a random suffix
+        lost_node="its replacement has its name, so the operator can create it only once the old pod is gone",
+    ),
+    "trainjob": Flavor(
+        "TrainJob",
+        "trainjobs.trainer.kubeflow.org",
+        trainjob,
+        pod_name=jobset_pod_name,
+        needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
+        companions=lambda d: {"serviceaccount.yaml": service_account(d)},
+        cannot=trainjob_cannot,
+        companion_headers={
+            "serviceaccount.yaml": "# The pods' ServiceAccount, without an API token: a TrainJob "
+            "cannot set automountServiceAccountToken on its pods.\n"
+        },
+        header_note=(
+            "# The runtime decides the retries and keeps finished jobs "
+            "(deploy.backoff_limit and deploy.ttl_after_finished_s do not apply).\n"
+        ),
+        kueue_opt_in="trainer.kubeflow.org/trainjob",
+        pod_template=trainjob_pod_template,
+        lost_node=(
+            "the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
+            "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
+            f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot"
+        ),
+    ),
+}

@@ -97,9 +97,22 @@ def topology_annotation(deploy: Mapping[str, Any]) -> dict[str, str]:
 # ---------------------------------------------------------------- quantities ("16Gi", "3500m")
 
 QUANTITY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[KMGTPE]i|[mkMGTPE]?)")
-SCALE = {"": 1, "m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-         "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-         "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+SCALE = {
+    "": 1,
+    "m": Fraction(1, 1000),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(value: Any) -> Fraction | None:

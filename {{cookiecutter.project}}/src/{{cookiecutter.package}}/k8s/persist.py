@@ -154,8 +154,10 @@ def persist(overrides: list[str], composed: Mapping[str, Any], configs: Path) ->
         path, keys, value = target(override, composed, configs)
         shadow = shadowed(override, configs)
         if shadow:
-            raise ValueError(f"{override}: configs/local/default.yaml sets {shadow} too, which wins over "
-                             f"{path}: change it there")  # fmt: skip
+            raise ValueError(
+                f"{override}: configs/local/default.yaml sets {shadow} too, which wins over "
+                f"{path}: change it there"
+            )
         if path not in documents:
             document, writer = round_trip(path.read_text())
             if not isinstance(document, Mapping):

@@ -34,8 +34,11 @@ RUNS_MOUNT = "/workspace/runs"
 FRESH_WORKER_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # The root filesystem is read-only. Processes write to the run dir (the claim), /dev/shm, and
 # /tmp (an emptyDir), where HOME points so that torch, triton and matplotlib keep their caches.
-READ_ONLY_ROOT = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                  "readOnlyRootFilesystem": True}  # fmt: skip
+READ_ONLY_ROOT = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+}
 WRITABLE_HOME = {"HOME": "/tmp"}
 TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 POD_IP = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -163,8 +166,13 @@ def secret_env(deploy: Mapping[str, Any]) -> list[dict]:
 def trainer_container(
     deploy: Mapping[str, Any], env: Mapping[str, str], launch: Launch, name: str = "trainer"
 ) -> dict:
-    values = {**env, **label_texts(deploy["env"]), **FRESH_WORKER_STORE, "PYTHONUNBUFFERED": "1",
-              **WRITABLE_HOME}  # fmt: skip
+    values = {
+        **env,
+        **label_texts(deploy["env"]),
+        **FRESH_WORKER_STORE,
+        "PYTHONUNBUFFERED": "1",
+        **WRITABLE_HOME,
+    }
     return {
         "name": name,
         "image": deploy["image"],
@@ -227,10 +235,14 @@ def lost_node_tolerations(deploy: Mapping[str, Any]) -> list[dict]:
     if deploy["lost_node_s"] is None:
         return []
     return [
-        {"key": taint, "operator": "Exists", "effect": "NoExecute",
-         "tolerationSeconds": deploy["lost_node_s"]}
+        {
+            "key": taint,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": deploy["lost_node_s"],
+        }
         for taint in LOST_NODE_TAINTS
-    ]  # fmt: skip
+    ]
 
 
 def pod_spec(deploy: Mapping[str, Any], container: dict, restart: str = "Never") -> dict:

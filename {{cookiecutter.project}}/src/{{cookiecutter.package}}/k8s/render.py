@@ -40,7 +40,7 @@ def header(file: str, deploy: Mapping[str, Any]) -> str:
         f"{deploy['flavor']}.yaml": workload + follow,
         **{file: text.format(name=name) for file, text in flavor.companion_headers.items()},
         "runs-pvc.yaml": "# Storage for run dirs (logs, metrics, checkpoints) that outlives any one pod.\n",
-    }[file]  # fmt: skip
+    }[file]
 
 
 def manifests(deploy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
@@ -61,15 +61,23 @@ def capabilities_note(deploy: Mapping[str, Any]) -> str | None:
     refused = [c for c in deploy["capabilities"] if c not in RESTRICTED_CAPABILITIES]
     if not refused:
         return None
-    return (f"note: deploy.capabilities {', '.join(refused)}: a namespace that enforces PodSecurity "
-            "restricted (or baseline, for IPC_LOCK) refuses these pods; label it "
-            "pod-security.kubernetes.io/enforce=privileged, or ask its admin")  # fmt: skip
+    return (
+        f"note: deploy.capabilities {', '.join(refused)}: a namespace that enforces PodSecurity "
+        "restricted (or baseline, for IPC_LOCK) refuses these pods; label it "
+        "pod-security.kubernetes.io/enforce=privileged, or ask its admin"
+    )
 
 
 def opt_in_text(deploy: Mapping[str, Any]) -> str:
     framework, kind = FLAVORS[deploy["flavor"]].kueue_opt_in, FLAVORS[deploy["flavor"]].kind
-    return (f"Kueue manages a {kind} only where the platform enabled its {framework} integration "
-            "(Kueue's Configuration, integrations.frameworks); elsewhere the queue label does nothing") if framework else ""  # fmt: skip
+    return (
+        (
+            f"Kueue manages a {kind} only where the platform enabled its {framework} integration "
+            "(Kueue's Configuration, integrations.frameworks); elsewhere the queue label does nothing"
+        )
+        if framework
+        else ""
+    )
 
 
 def admission_note(deploy: Mapping[str, Any]) -> str | None:
@@ -84,10 +92,12 @@ def admission_note(deploy: Mapping[str, Any]) -> str | None:
         )
     if deploy["nodes"] == 1:
         return None
-    return (f"note: {deploy['nodes']} pods and no deploy.queue: nothing admits them together, so "
-            f"the pods that start hold their GPUs while they wait, up to deploy.rdzv_timeout_s="
-            f"{deploy['rdzv_timeout_s']} s, for one that stays Pending; set deploy.queue to a Kueue "
-            "LocalQueue to admit them as one" + (f" ({opt_in})" if opt_in else ""))  # fmt: skip
+    return (
+        f"note: {deploy['nodes']} pods and no deploy.queue: nothing admits them together, so "
+        f"the pods that start hold their GPUs while they wait, up to deploy.rdzv_timeout_s="
+        f"{deploy['rdzv_timeout_s']} s, for one that stays Pending; set deploy.queue to a Kueue "
+        "LocalQueue to admit them as one" + (f" ({opt_in})" if opt_in else "")
+    )
 
 
 def lost_node_note(deploy: Mapping[str, Any]) -> str:
@@ -101,8 +111,10 @@ def lost_node_note(deploy: Mapping[str, Any]) -> str:
         if deploy["lost_node_s"] is not None
         else "after the cluster's 300 s (deploy.lost_node_s=null)"
     )
-    remedy = ("once the node is down for good, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute "
-              "or delete its Node: PodGC then fails the pod")  # fmt: skip
+    remedy = (
+        "once the node is down for good, taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute "
+        "or delete its Node: PodGC then fails the pod"
+    )
     replaced = FLAVORS[deploy["flavor"]].lost_node  # who replaces it, and when
     return f"note: a pod on a node that stopped answering is evicted {evicted} and stays Terminating; {replaced}; {remedy}"
 

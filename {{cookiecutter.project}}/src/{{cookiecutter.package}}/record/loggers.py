@@ -107,9 +107,16 @@ class Wandb:
         import wandb
 
         self.run = wandb.init(
-            project=cfg.project or PROJECT, entity=cfg.entity, mode=cfg.mode.value, dir=str(run_dir),
-            name=run_dir.name, id=wandb_id(run_dir), resume="allow", config=config, tags=list(cfg.tags),
-        )  # fmt: skip
+            project=cfg.project or PROJECT,
+            entity=cfg.entity,
+            mode=cfg.mode.value,
+            dir=str(run_dir),
+            name=run_dir.name,
+            id=wandb_id(run_dir),
+            resume="allow",
+            config=config,
+            tags=list(cfg.tags),
+        )
 
     def log(self, row: dict[str, Any]) -> None:
         self.run.log(scalars(row), step=row["step"])
@@ -186,8 +193,10 @@ class Loggers:
             except Exception as err:
                 log.warning(
                     "logger.%s: stopped logging at step %d (%s); metrics.csv keeps every row",
-                    name, row["step"], cause(err),
-                )  # fmt: skip
+                    name,
+                    row["step"],
+                    cause(err),
+                )
                 del self.named[name]
 
     def close(self) -> None:

@@ -26,18 +26,31 @@ from . import loggers
 log = logging.getLogger(__name__)
 
 COLUMNS = [
-    "step", "max_steps", "epoch", "loss", "accuracy", "grad_norm", "lr", "samples_per_s",
-    "step_time_ms", "comm_share", "world_size",
+    "step",
+    "max_steps",
+    "epoch",
+    "loss",
+    "accuracy",
+    "grad_norm",
+    "lr",
+    "samples_per_s",
+    "step_time_ms",
+    "comm_share",
+    "world_size",
     # tokens/s over all ranks; MFU (perf.py: empty on a CPU or a GPU not in its table); rank 0's
     # peak of allocated GPU memory over the window (empty on a CPU)
-    "tokens_per_s", "mfu", "peak_memory_gib",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_gib",
     # on the held-out data, at the steps trainer.val_every names (empty at the others); how long
     # scoring it took (left out of samples_per_s and step_time_ms)
-    "val_loss", "val_accuracy", "val_time_s",
+    "val_loss",
+    "val_accuracy",
+    "val_time_s",
     # what checkpoints held training up in the window (a snapshot, or a wait for the last write),
     # left out of samples_per_s and step_time_ms
     "checkpoint_s",
-]  # fmt: skip
+]
 
 
 class RunRecord:
@@ -157,9 +170,13 @@ class ProgressBar:
         )
 
         self.bar = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-        )  # fmt: skip
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+        )
         self.bar.start()  # sys.stdout is now the bar's proxy: point the log handlers at it
         self.streams = {
             handler: handler.setStream(sys.stdout)  # returns the stream it replaces

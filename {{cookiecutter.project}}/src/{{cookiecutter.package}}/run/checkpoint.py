@@ -463,8 +463,13 @@ class Checkpointer:
 
     def load_dcp(self, path: Path) -> None:
         try:
-            checkpoint_dcp.load(path, self.states["model"], self.states["optimizer"],
-                                self.writers, alone=self.world.size == 1)  # fmt: skip
+            checkpoint_dcp.load(
+                path,
+                self.states["model"],
+                self.states["optimizer"],
+                self.writers,
+                alone=self.world.size == 1,
+            )
         except (checkpoint_dcp.ShareFailed, RuntimeError, ValueError, KeyError) as err:
             raise self.incompatible("model and optimizer", err) from None
 
@@ -541,8 +546,10 @@ class Checkpointer:
             staged = self.snapshot.take(self.snapshot_state())
             extra = self.extra(step, rng, val_loss) if self.world.main else None
             self.report_snapshot()
-            self.writer.start(path, partial(self.write_dcp_here, path, staged, extra, step,
-                                            val_loss, best, also_best))  # fmt: skip
+            self.writer.start(
+                path,
+                partial(self.write_dcp_here, path, staged, extra, step, val_loss, best, also_best),
+            )
         elif self.world.main:
             path = self.directory / (BEST if best else f"step_{step:09d}.pt")
             state = self.extra(step, rng, val_loss) | self.snapshot_state()
@@ -587,8 +594,11 @@ class Checkpointer:
         if self.world.main or self.dcp:  # a DCP write: each rank stages its own copy
             state = self.snapshot_state()
             copies = self.world.local_size if self.dcp else 1  # of one node's memory
-            room = snapshot_room(state_bytes(state) * copies, oom.available_memory(),
-                                 "every rank of a node" if copies > 1 else "rank 0")  # fmt: skip
+            room = snapshot_room(
+                state_bytes(state) * copies,
+                oom.available_memory(),
+                "every rank of a node" if copies > 1 else "rank 0",
+            )
             if room is None:
                 self.snapshot.reserve(state)
         if self.world.size > 1:  # every rank settles the same way: the first refusal for all
@@ -611,8 +621,11 @@ class Checkpointer:
             writing = self.writer.path if self.writer.busy() else None
             failure = self.writer.wait()
             if writing and saving and self.asynchronous and self.world.main:  # before it ended
-                log.info("waited %.1f s for the write of %s to finish",
-                         time.perf_counter() - began, writing.relative_to(self.run_dir))  # fmt: skip
+                log.info(
+                    "waited %.1f s for the write of %s to finish",
+                    time.perf_counter() - began,
+                    writing.relative_to(self.run_dir),
+                )
             if self.world.size > 1:  # every rank is done: how it went, in place of a barrier
                 outcomes: list[Any] = [None] * self.world.size
                 dist.all_gather_object(outcomes, failure, group=self.group)
@@ -638,13 +651,21 @@ class Checkpointer:
         if self.snapshot.bytes != self.reported_bytes:
             self.reported_bytes = self.snapshot.bytes
             kind = "pinned host memory" if self.snapshot.pinned else "host memory"
-            log.info("checkpoints are staged in %.2f GiB of %s on rank 0 and written in the "
-                     "background", self.snapshot.bytes / 2**30, kind)  # fmt: skip
+            log.info(
+                "checkpoints are staged in %.2f GiB of %s on rank 0 and written in the background",
+                self.snapshot.bytes / 2**30,
+                kind,
+            )
 
     def write_here(
-        self, path: Path, state: dict[str, Any], step: int, val_loss: float | None, best: bool,
+        self,
+        path: Path,
+        state: dict[str, Any],
+        step: int,
+        val_loss: float | None,
+        best: bool,
         also_best: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rank 0, in the writer's thread: the file, then only once it reads back, the rest."""
         self.directory.mkdir(parents=True, exist_ok=True)
         write_atomically(state, path)
@@ -652,9 +673,15 @@ class Checkpointer:
         self.counted(path, step, val_loss, best, also_best, state)
 
     def write_dcp_here(
-        self, path: Path, state: dict[str, Any], extra: dict[str, Any] | None, step: int,
-        val_loss: float | None, best: bool, also_best: bool,
-    ) -> None:  # fmt: skip
+        self,
+        path: Path,
+        state: dict[str, Any],
+        extra: dict[str, Any] | None,
+        step: int,
+        val_loss: float | None,
+        best: bool,
+        also_best: bool,
+    ) -> None:
         """Every rank, in its writer's thread: its share into a partial folder; rank 0 (`extra`
         given) then adds the rest, renames the folder into place once it reads back, and keeps
         the books as write_here() does."""
@@ -674,9 +701,14 @@ class Checkpointer:
         self.counted(path, step, val_loss, best, also_best, extra)
 
     def counted(
-        self, path: Path, step: int, val_loss: float | None, best: bool, also_best: bool,
+        self,
+        path: Path,
+        step: int,
+        val_loss: float | None,
+        best: bool,
+        also_best: bool,
         state: dict[str, Any],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rank 0, once `path` reads back: it is the newest, older ones go, best.pt follows."""
         if best:
             self.report_best(step, val_loss)
@@ -690,8 +722,12 @@ class Checkpointer:
             self.report_best(step, val_loss)
 
     def report_best(self, step: int, val_loss: float | None) -> None:
-        log.info("best checkpoint %s: step %d, val_loss %.4f",
-                 self.best_path.relative_to(self.run_dir), step, val_loss)  # fmt: skip
+        log.info(
+            "best checkpoint %s: step %d, val_loss %.4f",
+            self.best_path.relative_to(self.run_dir),
+            step,
+            val_loss,
+        )
 
     def link_best(self, written: Path, state: dict[str, Any]) -> None:
         """best.pt as a hard link to the checkpoint just written, renamed into place; a copy
@@ -788,8 +824,9 @@ class Checkpointer:
         if new:
             log.warning(
                 "%s in %s do not read back as checkpoints; left alone (not counted, not deleted)",
-                ", ".join(new), self.directory,
-            )  # fmt: skip
+                ", ".join(new),
+                self.directory,
+            )
             self.warned.update(new)
         kept = set(sorted(readable, key=step_of)[-self.keep :]) | {written}
         for path in readable:

@@ -187,9 +187,15 @@ class MemoryWatch:
 
 
 def memory_line(
-    rank: int, pid: int, held: int | None, total: int | None, limit: tuple[int, str] | None,
-    evidence: bool, config: TrainConfig, local_size: int,
-) -> str | None:  # fmt: skip
+    rank: int,
+    pid: int,
+    held: int | None,
+    total: int | None,
+    limit: tuple[int, str] | None,
+    evidence: bool,
+    config: TrainConfig,
+    local_size: int,
+) -> str | None:
     """`rank R was killed for memory: the figures; try a smaller setting`, or None without
     evidence (a kernel OOM kill counted, or the workers at the limit when last seen)."""
     if not evidence:

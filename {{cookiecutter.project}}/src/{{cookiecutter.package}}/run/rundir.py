@@ -134,8 +134,12 @@ def acquire(
                 os.close(fd)
                 raise RunDirError(busy_message(run_dir, who, place)) from None
             time.sleep(1)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-          "command": " ".join(sys.argv)[:300]}  # fmt: skip
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": time.time(),
+        "command": " ".join(sys.argv)[:300],
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     _held[run_dir] = fd

@@ -299,8 +299,9 @@ class Trainer:
                             write_row()
                     stop = stop or preemption.agreed(step)  # every rank: the same step, or none
                     stalled = self.checkpointer.stalled_s
-                    written = self.checkpointer.save(step, last_step=step == max_steps, force=stop,
-                                                     val_loss=score and score.loss)  # fmt: skip
+                    written = self.checkpointer.save(
+                        step, last_step=step == max_steps, force=stop, val_loss=score and score.loss
+                    )
                     if score:
                         self.checkpointer.save_best(step, score.loss, written)
                     if stop:
@@ -365,8 +366,10 @@ class Trainer:
         if self.world.main:
             log.info(
                 "resumed from the checkpoint of step %d (epoch %d, sample %d of it)",
-                self.progress.step, self.progress.epoch, self.progress.samples_in_epoch,
-            )  # fmt: skip
+                self.progress.step,
+                self.progress.epoch,
+                self.progress.samples_in_epoch,
+            )
             self.report_stretched_decay(state["config"]["trainer"]["max_steps"])
 
     def keep_global_batch(self, state: dict[str, Any]) -> None:
@@ -374,8 +377,9 @@ class Trainer:
         (said in the log), or Incompatible; the data position in samples, whatever the world."""
         saved = GlobalBatch.saved(state)
         try:
-            now = on_resume(saved, state["config"], self.global_batch,
-                            accepted(self.cfg.trainer.accept_changes))  # fmt: skip
+            now = on_resume(
+                saved, state["config"], self.global_batch, accepted(self.cfg.trainer.accept_changes)
+            )
         except GlobalBatchChanged as err:
             raise Incompatible(str(err)) from None
         if self.progress.batches_in_epoch is not None:  # a checkpoint's from before samples
@@ -386,9 +390,12 @@ class Trainer:
             log.warning(
                 "the checkpoint was written by %d process(es), this run has %d: "
                 "trainer.grad_accumulation %d -> %d keeps its global batch of %d samples",
-                saved.processes, now.processes, self.global_batch.accumulation,
-                now.accumulation, now.samples,
-            )  # fmt: skip
+                saved.processes,
+                now.processes,
+                self.global_batch.accumulation,
+                now.accumulation,
+                now.samples,
+            )
         elif now.samples != saved.samples and self.world.main:
             log.warning("the global batch changes from %s to %s", saved, now)
         self.global_batch = now
@@ -406,8 +413,13 @@ class Trainer:
             log.warning(
                 "trainer.max_steps changed from %d to %d: the learning rate at step %d is %.3g, "
                 "was %.3g: the decay now ends at step %d",
-                old_max_steps, trainer.max_steps, step, now, was, trainer.max_steps,
-            )  # fmt: skip
+                old_max_steps,
+                trainer.max_steps,
+                step,
+                now,
+                was,
+                trainer.max_steps,
+            )
 
     def batches(self) -> Iterator[Batch]:
         """This rank's batches from where progress stands, epoch after epoch."""
@@ -493,10 +505,15 @@ class Trainer:
         started = time.perf_counter()
         signals = self.preemption.signals
         result = scoring.score(
-            self.module, self.held_out, self.device, self.autocast, self.world,
-            limit=self.cfg.trainer.val_batches, stop=lambda: signals.requested,
+            self.module,
+            self.held_out,
+            self.device,
+            self.autocast,
+            self.world,
+            limit=self.cfg.trainer.val_batches,
+            stop=lambda: signals.requested,
             progress=self.watchdog.beat,  # scoring a large set is no stalled collective
-        )  # fmt: skip
+        )
         if not result.complete:
             self.cut_short = step
             return None
