@@ -96,8 +96,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def launcher_state(monkeypatch):
-    """launch.main() in this process names the run and sizes the world in os.environ, and
-    installs signal handlers: all undone after each test."""
+    """launch.main() in this process names the run in os.environ and installs signal handlers:
+    both undone after each test (and no world size is left in the environment to mislead it)."""
     for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -139,8 +139,8 @@ def trainer_container(flavor: str, workload: dict) -> dict:
 
 @pytest.fixture(autouse=True)
 def environment_as_it_was():
-    """Entry points called in-process (bench's and the launcher's main) set WORLD_SIZE and the
-    like for themselves: a later test's subprocess on the same worker must not inherit them."""
+    """Entry points called in-process (the launcher's main) set DDP_RUN_NAME and the like for
+    their workers: a later test's subprocess on the same worker must not inherit them."""
     saved = dict(os.environ)
     yield
     os.environ.clear()

@@ -12,6 +12,7 @@ from hydra.types import RunMode
 from omegaconf import open_dict
 
 from ddp_project.config.compose import config_problem
+from ddp_project.core.world import World
 
 BAD = [
     ("nccl.p2p_disable=maybe", "nccl.p2p_disable: Value 'maybe' is not a valid bool"),
@@ -381,7 +382,8 @@ def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy
     composed = compose_train(["nccl=mine"], configs_copy)
     with open_dict(composed):
         composed.pop("hydra")  # as Hydra hands the task function its config
-    assert check_composed(composed, this_node=False, nccl_choice="mine").nccl.profile == "mine"
+    checked = check_composed(composed, World(), this_node=False, nccl_choice="mine")
+    assert checked.nccl.profile == "mine"
 
 
 NOT_YAML = [
@@ -488,18 +490,25 @@ def test_a_configs_folder_where_a_file_should_be_is_one_line(configs_copy):
         compose_and_check([], configs_copy)
 
 
-def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(
-    configs_copy, monkeypatch, capsys
-):
-    """train's command line (overrides.hydra_argv) reads configs/ before Hydra does."""
-    from ddp_project.config import overrides
-
+def test_train_stops_on_a_configs_file_that_is_not_yaml_in_one_line(configs_copy):
+    """train's command line (overrides.hydra_argv) reads configs/ before Hydra does: it raises,
+    and train's __main__ ends on it, in one line and exit 2."""
     (configs_copy / "local" / "default.yaml").write_text("trainer:\n\tmax_steps: 3\n")
-    monkeypatch.setattr(overrides, "configs_folder", lambda: configs_copy)
-    with pytest.raises(SystemExit) as stopped:
-        overrides.hydra_argv(["trainer.max_steps=3"])
-    assert stopped.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import runpy; from pathlib import Path; from {PACKAGE}.config import overrides; "
+            f"overrides.configs_folder = lambda: Path({str(configs_copy)!r}); "
+            f"runpy.run_module('{PACKAGE}.train', run_name='__main__')",
+            "trainer.max_steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
     where = configs_copy / "local" / "default.yaml"
     assert line.startswith(f"config error: {where}, line 2, column 1: not YAML: found character")
 
@@ -586,24 +595,25 @@ def test_train_checks_each_jobs_config_once(tmp_path, monkeypatch, argv, jobs):
     from ddp_project.run import rundir
 
     checked, deploy_checks, trained = [], [], []
-    real_check, real_deploy_errors = check.checked_or_exit, deploy_config.deploy_errors
+    real_check, real_deploy_errors = check.ConfigCheck.check, deploy_config.deploy_errors
 
-    def counted_check(cfg):
-        checked.append(real_check(cfg))
+    def counted_check(self, cfg):
+        checked.append(real_check(self, cfg))
         return checked[-1]
 
     def counted_deploy_errors(values):
         deploy_checks.append(values)
         return real_deploy_errors(values)
 
-    monkeypatch.setattr(check, "checked_or_exit", counted_check)
+    monkeypatch.setattr(check.ConfigCheck, "check", counted_check)
     monkeypatch.setattr(deploy_config, "deploy_errors", counted_deploy_errors)
-    monkeypatch.setattr(train, "main_worker", lambda cfg, run_dir, overrides: trained.append(cfg))
+    monkeypatch.setattr(train, "main_worker", lambda cfg, *where: trained.append(cfg))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train", *argv, "hydra.run.dir=run", "hydra.sweep.dir=sweep"])
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
+        train.register_configs()  # as train's __main__ does, before Hydra composes
         train.main()
     finally:  # Hydra's job logging and the run dir's lock: this process goes on
         for handler in set(root.handlers) - set(handlers):

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ddp_project.config.error import ConfigError
 from ddp_project.config.schema import Backend, TrainConfig
 from ddp_project.config.validate import check_composed
+from ddp_project.core.world import World
 from ddp_project.nccl import decision as nccl
 
 PROFILE_ENV = {
@@ -123,15 +124,15 @@ def test_more_processes_than_gpus_is_refused(
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(procs))
+    world = World(size=procs, local_size=procs)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_composed(compose_train(f"dist.backend={backend}"))
+        check_composed(compose_train(f"dist.backend={backend}"), world)
 
 
 def test_gloo_ignores_gpu_count(compose_train, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert check_composed(compose_train("dist.backend=gloo")).dist.backend is Backend.gloo
+    composed = compose_train("dist.backend=gloo")
+    assert check_composed(composed, World(size=8, local_size=8)).dist.backend is Backend.gloo
 
 
 def test_a_local_override_file_applies_after_the_experiment(tmp_path):

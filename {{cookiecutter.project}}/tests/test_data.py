@@ -185,8 +185,8 @@ def test_from_saved_passes_held_out_to_the_data_check():
         OmegaConf.structured(compose_and_check(["data.num_samples=1000"])), enum_to_str=True
     )
     with pytest.raises(ConfigError, match="training samples"):
-        validate.from_saved(saved, ["data.batch_size=100000"])
-    assert validate.from_saved(saved, ["data.batch_size=100000"], held_out=True)
+        validate.from_saved(saved, ["data.batch_size=100000"], World())
+    assert validate.from_saved(saved, ["data.batch_size=100000"], World(), held_out=True)
 
 
 def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):

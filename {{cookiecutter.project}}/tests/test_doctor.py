@@ -29,7 +29,7 @@ def doctor_run() -> tuple[int, str]:
     try:
         with contextlib.redirect_stdout(printed):
             code = doctor.main()
-    finally:  # the doctor sets WORLD_SIZE and the like, as training would
+    finally:  # the environment as it was: its torchrun launches ran in this process
         sys.argv = argv
         os.environ.clear()
         os.environ.update(saved)
@@ -333,8 +333,6 @@ def fake_node(monkeypatch):
             doctor.probe, "peer_copy_tests", lambda pairs: dict.fromkeys(pairs, "ok")
         )
         monkeypatch.setattr(doctor, "run_profile", run_profile)
-        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # the doctor sets them, as training would
-            monkeypatch.setenv(name, str(gpus))
         return node
 
     return make

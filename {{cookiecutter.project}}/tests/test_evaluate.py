@@ -439,7 +439,7 @@ def test_an_unusable_token_file_is_one_line(tmp_path, monkeypatch, capsys, path,
     monkeypatch.setattr(sys, "argv", ["check", "model=gpt", "data=tokens", f"data.path={path}"])
     try:
         code = check.main()
-    except SystemExit as stop:  # overrides.exit_with_error
+    except SystemExit as stop:  # core.exits.exit_with_error
         code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(message), err

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from conftest import PACKAGE, hang_one_rank
 
 from ddp_project.config.schema import NcclConfig
+from ddp_project.core.world import World
 from ddp_project.nccl import decision as nccl
 from ddp_project.nccl import failfast
 
@@ -108,10 +109,9 @@ def test_gloo_never_gets_nccl_advice_even_at_the_gate():
     assert "NCCL" not in block and "peer-to-peer" not in block
 
 
-def test_only_the_first_failing_process_prints_the_block(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    assert failfast.claim_report(tmp_path) is True
-    assert failfast.claim_report(tmp_path) is False
+def test_only_the_first_failing_process_prints_the_block(tmp_path):
+    assert failfast.claim_report(tmp_path, World(run_id="job")) is True
+    assert failfast.claim_report(tmp_path, World(rank=1, run_id="job")) is False
 
 
 @pytest.mark.slow
@@ -171,12 +171,10 @@ def test_gloo_timeouts_are_collective_failures(message):
     assert failfast.as_collective_failure(error, phase="training", backend="gloo") is not None
 
 
-def test_each_launch_reports_its_own_failure(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert failfast.claim_report(tmp_path) is True
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a retried pod, same run dir
-    assert failfast.claim_report(tmp_path) is True
+def test_each_launch_reports_its_own_failure(tmp_path):
+    assert failfast.claim_report(tmp_path, World(run_id="job")) is True
+    retried = World(run_id="job", restart=1)  # a retried pod, same run dir
+    assert failfast.claim_report(tmp_path, retried) is True
 
 
 @pytest.fixture

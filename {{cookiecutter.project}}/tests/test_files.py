@@ -123,7 +123,10 @@ FACTS = NodeFacts(
 # (".metrics.csv.part") and the node probe's (".tmp<pid>") left their temp file behind on a failure.
 WRITERS = {
     "metrics": (lambda run: run / "metrics.csv", lambda run, out: metrics.replace(out, "step\n")),
-    "probe": (probe_path, lambda run, out: probe.shared_node_facts(run, 0, probe=lambda: FACTS)),
+    "probe": (
+        probe_path,
+        lambda run, out: probe.shared_node_facts(run, World(), probe=lambda: FACTS),
+    ),
     "evaluate": (lambda run: run / "eval" / "step_1.json", lambda run, out: evaluate.save({}, out)),
     "checkpoint": (
         lambda run: run / "checkpoints" / "step_1.pt",

@@ -1035,7 +1035,7 @@ def test_ctrl_c_while_rendering_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(check, "compose_and_check_or_exit", interrupted)
+    monkeypatch.setattr(check, "compose_and_check", interrupted)
     monkeypatch.setattr(sys, "argv", ["k8s", "--check"])
     assert cli.run() == 130
     assert capsys.readouterr().err == (

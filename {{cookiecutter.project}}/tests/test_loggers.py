@@ -20,6 +20,7 @@ from ddp_project.config.loggers import (
     MlflowLoggerConfig,
     TensorBoardConfig,
 )
+from ddp_project.core.world import World
 from ddp_project.nccl import failfast
 from ddp_project.record import loggers, metrics
 
@@ -226,13 +227,19 @@ def test_a_server_gone_when_the_logger_starts_fails_fast_naming_it(tmp_path, mon
 def test_a_logger_that_cannot_start_ends_rank_0_at_once_as_the_cause(tmp_path, monkeypatch, capsys):
     """The other ranks wait in an all-reduce for rank 0: it must end first, exit 2, one line, and
     claim the failure report, or theirs blame a lost peer (and the launcher names them)."""
-    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))  # not pytest's own process
+    from ddp_project import train
+
     cfg = LoggersConfig(mlflow=MlflowLoggerConfig(f"http://127.0.0.1:{closed_port()}", None))
-    with pytest.raises(SystemExit) as ended:
+    with pytest.raises(
+        logger_probes.LoggerError
+    ) as failed:  # the run's record raises: train ends on it
         metrics.RunRecord(tmp_path, 60, 0, True, cfg, {"dist": {"timeout_s": 8}})
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))  # not pytest's own process
+    with pytest.raises(SystemExit) as ended:
+        train.end_before_the_others(failed.value, World(), tmp_path)
     assert ended.value.code == 2
     assert capsys.readouterr().err.startswith("config error: logger.mlflow: could not start (")
-    assert failfast.claim_report(tmp_path) is False  # already claimed: the others say "too"
+    assert failfast.claim_report(tmp_path, World()) is False  # already claimed: the others: "too"
 
 
 class Recorder:

@@ -36,11 +36,10 @@ def test_exit_status_gives_ok_or_failed(code, status):
 def test_a_pcie_pair_whose_peer_copy_hangs_loses_p2p(monkeypatch, figure):
     """Two GPUs with no NVLink, and a peer-copy probe that sleeps past its timeout (60 s: only a
     wait for it takes 30)."""
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(probe, "topology", lambda gpus: probe.Topology(frozenset(), {}, "none"))
     started = time.monotonic()
-    facts = probe.probe_node(timeout_s=1, command=lambda i, j: SLEEPS, count=lambda: 2)
+    two = World(size=2, local_size=2)
+    facts = probe.probe_node(two, timeout_s=1, command=lambda i, j: SLEEPS, count=lambda: 2)
     seconds = time.monotonic() - started
     figure(f"{seconds:.1f} s to probe a pair whose peer copy hangs, with a 1 s timeout")
     assert seconds < 30
@@ -50,34 +49,35 @@ def test_a_pcie_pair_whose_peer_copy_hangs_loses_p2p(monkeypatch, figure):
 
 
 def test_nvlink_pairs_are_not_copy_tested(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(
         probe, "topology", lambda gpus: probe.Topology(frozenset({(0, 1)}), {}, "nvml")
     )
     facts = probe.probe_node(
-        command=lambda i, j: pytest.fail("NVLink pair was copy-tested"), count=lambda: 2
+        World(local_size=2),
+        command=lambda i, j: pytest.fail("NVLink pair was copy-tested"),
+        count=lambda: 2,
     )
     assert facts.p2p_tests == {} and facts.nvlink_pairs == {(0, 1)}
 
 
-def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test-run")
+def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path):
     reader = subprocess.Popen(
         [
             sys.executable,
             "-c",
             f"from pathlib import Path; from {PACKAGE}.nccl.probe import shared_node_facts; "
-            f"print(shared_node_facts(Path({str(tmp_path)!r}), local_rank=1, wait_s=60).to_json())",
+            f"from {PACKAGE}.core.world import World; "
+            "world = World(local_rank=1, run_id='test-run'); "
+            f"print(shared_node_facts(Path({str(tmp_path)!r}), world, wait_s=60).to_json())",
         ],
         stdout=subprocess.PIPE,
         text=True,
-        env=os.environ,
     )
     time.sleep(1)  # the reader is waiting before anything is published
     published = nccl.NodeFacts(2, frozenset(), 0, 2, 2, 2**30, {(0, 1): "hang"}, 0.5)
     calls = []
     facts = probe.shared_node_facts(
-        tmp_path, local_rank=0, probe=lambda: calls.append(1) or published
+        tmp_path, World(run_id="test-run"), probe=lambda: calls.append(1) or published
     )
     output, _ = reader.communicate(timeout=60)
     assert calls == [1] and facts == published
@@ -89,7 +89,7 @@ def test_local_rank_0_probes_once_and_the_others_read_its_result(tmp_path, monke
 
 def test_a_reader_gives_up_when_nothing_is_published(tmp_path):
     with pytest.raises(TimeoutError, match="local rank 0 published no node probe"):
-        probe.shared_node_facts(tmp_path, local_rank=1, wait_s=0.3)
+        probe.shared_node_facts(tmp_path, World(local_rank=1), wait_s=0.3)
 
 
 def test_world_reads_the_launch_and_its_restart_from_torchruns_environment():

@@ -2,7 +2,7 @@
 dataset or a logger" says: a YAML file in configs/<group>/ and a registered schema and builder for
 each, no other edit. They compose, are checked, train and are scored, in this process. A model
 with the same keys as another is told apart by the option its checkpoints record; a registration
-that takes another's name is refused at import."""
+that takes another's name is refused where the schemas are first used."""
 
 import inspect
 import json
@@ -213,7 +213,9 @@ def test_a_model_with_another_models_keys_is_scored_and_resumed_as_itself(
     assert set(state["config"]["model"]) == {"hidden_dim", "depth"}  # model=mlp's keys too
 
     # Scored as the ResMlp it trained: the score its validation at step 20 gave.
-    saved = validate.from_saved(state["config"], [], held_out=True, recorded=state["options"])
+    saved = validate.from_saved(
+        state["config"], [], World(), held_out=True, recorded=state["options"]
+    )
     assert isinstance(build_model(saved.model, saved.data), ResMlp)
     result = evaluate.evaluate(path, evaluate.load(path), [], World())
     (row,) = [r for r in map(json.loads, (resmlp_run / "metrics.jsonl").open()) if r["step"] == 20]
@@ -226,18 +228,21 @@ def test_a_model_with_another_models_keys_is_scored_and_resumed_as_itself(
 
     # Resumed only as itself: its config and model=mlp's compare equal but for the values.
     resume = ["trainer.max_steps=30", "hydra.run.dir=run"]
-    assert rundir.resume_problem(resmlp_run, compose_and_check([*RESMLP, *resume], configs)) is None
+    resumed = compose_and_check([*RESMLP, *resume], configs)
+    assert rundir.resume_problem(resmlp_run, resumed, World()) is None
     as_mlp = compose_and_check([*RESMLP, "model=mlp", "model.hidden_dim=32", *resume], configs)
     assert rundir.changes_on_resume(state["config"], as_mlp) == []  # what let it through before
-    assert rundir.resume_problem(resmlp_run, as_mlp) == (
+    assert rundir.resume_problem(resmlp_run, as_mlp, World()) == (
         f"model=mlp: the checkpoint in {resmlp_run} (step_000000020.pt) was trained with "
         "model=resmlp; resume with model=resmlp, add trainer.accept_changes=[model] to switch, or "
         "choose another hydra.run.dir"
     )
     as_mlp.trainer.accept_changes = ["model"]  # a switch asked for
-    assert rundir.resume_problem(resmlp_run, as_mlp) is None
+    assert rundir.resume_problem(resmlp_run, as_mlp, World()) is None
     as_mlp.trainer.accept_changes = ["model.hidden_dim", "model.depth"]  # its keys are no switch
-    assert rundir.resume_problem(resmlp_run, as_mlp).startswith("model=mlp: the checkpoint in ")
+    assert rundir.resume_problem(resmlp_run, as_mlp, World()).startswith(
+        "model=mlp: the checkpoint in "
+    )
 
 
 def test_a_checkpoint_that_records_no_option_is_read_by_its_keys_and_refused_when_two_fit(
@@ -264,18 +269,21 @@ def test_a_checkpoint_that_records_no_option_is_read_by_its_keys_and_refused_whe
     scored = json.loads((resmlp_run / "eval" / "step_000000020.json").read_text())
     assert scored["loss"] == score["loss"]
     # data=synthetic is the only data option with its keys: no need to name it
-    assert validate.from_saved(state["config"], [], told={"model": "resmlp"}).data.num_classes == 8
+    assert (
+        validate.from_saved(state["config"], [], World(), told={"model": "resmlp"}).data.num_classes
+        == 8
+    )
 
     # A resume names both too, and what makes it go on.
     config = compose_and_check([*RESMLP, "trainer.max_steps=30"], configs)
-    assert rundir.resume_problem(resmlp_run, config) == (
+    assert rundir.resume_problem(resmlp_run, config, World()) == (
         f"hydra.run.dir={resmlp_run} resumes from step_000000020.pt: the checkpoint records no "
         "model option (it was written before checkpoints did), and its keys (depth, hidden_dim) "
         "fit 2: model=mlp, model=resmlp; to resume it as model=resmlp add "
         "trainer.accept_changes=[model], or choose another hydra.run.dir"
     )
     config.trainer.accept_changes = ["model"]
-    assert rundir.resume_problem(resmlp_run, config) is None
+    assert rundir.resume_problem(resmlp_run, config, World()) is None
 
 
 def line_of(module, text: str) -> str:
@@ -289,6 +297,14 @@ def line_of(module, text: str) -> str:
 def own_registry(monkeypatch):
     """Registrations made in a test stay in it."""
     monkeypatch.setattr(registry, "OPTIONS", dict(registry.OPTIONS))
+    monkeypatch.setattr(registry, "CLASHES", [])
+
+
+def refusal() -> str:
+    """The line a command ends on: the first use of the schemas raises the clash."""
+    with pytest.raises(ConfigError) as refused:
+        registry.stored_options()
+    return str(refused.value)
 
 
 def here(offset: int = 1) -> str:
@@ -297,35 +313,30 @@ def here(offset: int = 1) -> str:
     return f"{caller.f_code.co_filename}:{caller.f_lineno + offset}"
 
 
-def test_a_schema_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
+def test_a_schema_name_taken_in_its_group_is_refused_naming_both_places(own_registry):
     """A decorator copied with only its name changed: ConfigStore would have kept the copy
     under mlp_schema, and model=mlp trained the copy's class."""
     mlp = line_of(options, '@option("model", "mlp"')
     at = here()
-    copied = registry.option("model", "resmlp", "a residual MLP", stored_as="mlp_schema")
-    with pytest.raises(SystemExit) as stop:
-        copied(ResMlpConfig)
-    assert stop.value.code == 2
-    assert capsys.readouterr().err == (
-        f"config error: model=resmlp: stored_as='mlp_schema' (ResMlpConfig at {at}) is already "
+    registry.option("model", "resmlp", "a residual MLP", stored_as="mlp_schema")(ResMlpConfig)
+    assert refusal() == (
+        f"model=resmlp: stored_as='mlp_schema' (ResMlpConfig at {at}) is already "
         f"model=mlp's (MlpConfig at {mlp}); each option's schema needs a name of its own, e.g. "
-        f"stored_as='resmlp_schema', named first in {Path('configs', 'model', 'resmlp.yaml')}\n"
+        f"stored_as='resmlp_schema', named first in {Path('configs', 'model', 'resmlp.yaml')}"
     )
     assert registry.option_of(MlpConfig).name == "mlp" and ResMlpConfig not in registry.OPTIONS
 
 
-def test_an_option_name_taken_in_its_group_is_refused_naming_both_places(own_registry, capsys):
+def test_an_option_name_taken_in_its_group_is_refused_naming_both_places(own_registry):
     mlp = line_of(options, '@option("model", "mlp"')
     at = here()
-    again = registry.option("model", "mlp", "a residual MLP", stored_as="resmlp_schema")
-    with pytest.raises(SystemExit) as stop:
-        again(ResMlpConfig)
-    assert stop.value.code == 2
-    assert capsys.readouterr().err == (
-        f"config error: model=mlp: registered twice, by ResMlpConfig at {at} and by MlpConfig at "
+    registry.option("model", "mlp", "a residual MLP", stored_as="resmlp_schema")(ResMlpConfig)
+    assert refusal() == (
+        f"model=mlp: registered twice, by ResMlpConfig at {at} and by MlpConfig at "
         f"{mlp}; an option's name is its YAML's (configs/model/<name>.yaml) and one schema's: "
-        "rename one\n"
+        "rename one"
     )
+    assert registry.option_of(MlpConfig).name == "mlp" and ResMlpConfig not in registry.OPTIONS
 
 
 def test_names_are_an_options_own_within_its_group_only_and_a_module_may_register_again(
@@ -342,7 +353,7 @@ def test_names_are_an_options_own_within_its_group_only_and_a_module_may_registe
     for _ in range(2):
         exec(source, {"__name__": "reloaded", "registry": registry})
     assert [o.name for o in registry.options("model")].count("again") == 1
-    assert capsys.readouterr().err == ""
+    assert registry.CLASHES == [] and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(
@@ -354,21 +365,20 @@ def test_names_are_an_options_own_within_its_group_only_and_a_module_may_registe
     ],
 )
 def test_a_schema_name_is_its_own_across_groups_and_beside_the_primary_config(
-    own_registry, capsys, stored_as, line
+    own_registry, stored_as, line
 ):
     """The schemas share the ConfigStore's root with each other and with train_schema: a data
     schema stored as mlp_schema would replace the model's."""
-    with pytest.raises(SystemExit) as stop:
-        registry.option("data", "points2", "points", stored_as=stored_as)(ResMlpConfig)
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"config error: data=points2: stored_as={stored_as!r} ") and line in err
-    assert err.count("\n") == 1 and ResMlpConfig not in registry.OPTIONS
+    registry.option("data", "points2", "points", stored_as=stored_as)(ResMlpConfig)
+    refused = refusal()
+    assert refused.startswith(f"data=points2: stored_as={stored_as!r} ") and line in refused
+    assert "\n" not in refused and ResMlpConfig not in registry.OPTIONS
 
 
-def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path, command):
     """A module that registers model=mlp before config/options.py does: `python -m <package>.check`
-    ends at its import of config/options.py, with one line and exit 2, no traceback."""
+    and train end as it composes, with one line and exit 2, no traceback."""
     (tmp_path / "mine.py").write_text(
         "from dataclasses import dataclass\n\nfrom ddp_project.config.registry import option\n\n\n"
         "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
@@ -378,7 +388,7 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path):
         [
             sys.executable,
             "-c",
-            "import mine, runpy; runpy.run_module('ddp_project.check', run_name='__main__')",
+            f"import mine, runpy; runpy.run_module('ddp_project.{command}', run_name='__main__')",
             "model=mlp",
         ],
         cwd=tmp_path,

@@ -152,19 +152,23 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_pr
     )
 
 
-def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept, monkeypatch):
+def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept):
     """On 4 processes data.batch_size=64 makes kept's 256: the resume check lets it through;
     on 2 it would halve the global batch: a change of results, refused unless accepted."""
     from ddp_project.config.compose import compose_and_check
+    from ddp_project.core.world import World
     from ddp_project.run import rundir
 
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert rundir.resume_problem(kept, compose_and_check(["data.batch_size=64"])) is None
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    refused = rundir.resume_problem(kept, compose_and_check(["data.batch_size=64"]))
+    four, two = World(size=4), World(size=2)
+    resumed = compose_and_check(["data.batch_size=64"], world=four)
+    assert rundir.resume_problem(kept, resumed, four) is None
+    resumed = compose_and_check(["data.batch_size=64"], world=two)
+    refused = rundir.resume_problem(kept, resumed, two)
     assert "written with another config: data.batch_size 128 -> 64" in refused
-    accepted = compose_and_check(["data.batch_size=64", "trainer.accept_changes=[data.batch_size]"])
-    assert rundir.resume_problem(kept, accepted) is None
+    accepted = compose_and_check(
+        ["data.batch_size=64", "trainer.accept_changes=[data.batch_size]"], world=two
+    )
+    assert rundir.resume_problem(kept, accepted, two) is None
 
 
 # Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
@@ -568,6 +572,7 @@ def test_a_refused_resume_leaves_the_runs_config_as_it_was(kept, tmp_path, monke
     handlers, level = list(root.handlers), root.level
     try:
         with pytest.raises(SystemExit) as ended:
+            train.register_configs()  # as train's __main__ does
             train.main()
     finally:  # Hydra's job logging and the run dir's lock: this process goes on
         for handler in set(root.handlers) - set(handlers):

@@ -20,11 +20,12 @@ from conftest import (
     wait_for_metrics,
 )
 from hydra import compose, initialize_config_module
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from ddp_project import launch as launcher
 from ddp_project.config import compose as check
 from ddp_project.config.schema import register_configs
+from ddp_project.core.world import World
 from ddp_project.run import checkpoint, rundir
 
 pytestmark = pytest.mark.usefixtures("launcher_state")  # conftest.py
@@ -56,9 +57,8 @@ def launcher_refusal(cwd, monkeypatch, capsys, *overrides: str) -> tuple[int, st
     monkeypatch.chdir(cwd)
     no_torchrun(monkeypatch)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        launcher.main(["train", "--nproc-per-node", "1", *overrides])
-    return stop.value.code, capsys.readouterr().err
+    code = launcher.main(["train", "--nproc-per-node", "1", *overrides])
+    return code, capsys.readouterr().err
 
 
 def one_line(done: subprocess.CompletedProcess) -> str:
@@ -207,7 +207,9 @@ def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may
     assert len(started) == 1
     assert (
         rundir.resume_problem(
-            trained / "run", check.compose_and_check(["trainer.max_steps=30", "trainer.lr=0.001"])
+            trained / "run",
+            check.compose_and_check(["trainer.max_steps=30", "trainer.lr=0.001"]),
+            World(),
         )
         is None
     )
@@ -272,9 +274,9 @@ def test_a_checkpoint_that_records_no_options_resumes_as_the_options_its_keys_fi
     assert state.pop("options") == {"data": "synthetic", "model": "mlp"}
     torch.save(state, path)
     same = check.compose_and_check(["trainer.max_steps=20"])
-    assert rundir.resume_problem(trained / "run", same) is None
+    assert rundir.resume_problem(trained / "run", same, World()) is None
     other = check.compose_and_check(["trainer.max_steps=20", "model=gpt", "data=tokens"])
-    assert rundir.resume_problem(trained / "run", other).startswith(
+    assert rundir.resume_problem(trained / "run", other, World()).startswith(
         f"data=tokens, model=gpt: the checkpoint in {trained / 'run'} (step_000000010.pt) was "
         "trained with data=synthetic, model=mlp; "
     )
@@ -332,11 +334,10 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_start
     monkeypatch.chdir(trained)
     no_torchrun(monkeypatch)
     before = snapshot(trained / "run")
-    with pytest.raises(SystemExit) as stop:
-        launcher.main(
-            ["train", "--nproc-per-node", "1", "trainer.max_steps=5", "hydra.run.dir=run"]
-        )
-    assert stop.value.code == 2
+    code = launcher.main(
+        ["train", "--nproc-per-node", "1", "trainer.max_steps=5", "hydra.run.dir=run"]
+    )
+    assert code == 2
     assert capsys.readouterr().err.splitlines() == [
         "config error: trainer.max_steps=5 is below step 10 of the checkpoint in run "
         "(step_000000010.pt): raise trainer.max_steps, or choose another hydra.run.dir"
@@ -347,9 +348,9 @@ def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_start
 def test_a_resume_to_the_checkpoints_own_step_is_allowed(trained):
     """A finished run relaunched as it was (a Job's pod restarted after the end) is no error."""
     same = check.compose_and_check(["trainer.max_steps=10"])
-    assert rundir.resume_problem(trained / "run", same) is None
+    assert rundir.resume_problem(trained / "run", same, World()) is None
     assert "below step 10" in rundir.resume_problem(
-        trained / "run", check.compose_and_check(["trainer.max_steps=9"])
+        trained / "run", check.compose_and_check(["trainer.max_steps=9"]), World()
     )
 
 
@@ -370,14 +371,14 @@ def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
     try:
         holder.stdout.readline()
         config = check.compose_and_check([])
-        problem = rundir.problem(tmp_path / "run", config)
-        free = rundir.problem(tmp_path / "run", config, busy=False)
+        problem = rundir.problem(tmp_path / "run", config, World())
+        free = rundir.problem(tmp_path / "run", config, World(), busy=False)
     finally:
         holder.kill()
         holder.wait()
     assert problem.startswith(f"hydra.run.dir={tmp_path / 'run'}: in use by pid {holder.pid}")
     assert free is None  # several nodes: the workers' guard decides
-    assert rundir.problem(tmp_path / "run", config) is None  # its holder is gone
+    assert rundir.problem(tmp_path / "run", config, World()) is None  # its holder is gone
 
 
 @pytest.mark.parametrize(
@@ -570,9 +571,7 @@ def test_a_hostile_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, over
     make(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     no_torchrun(monkeypatch)
-    with pytest.raises(SystemExit) as stop:
-        launcher.main(["train", "--nproc-per-node", "1", override])
-    assert stop.value.code == 2
+    assert launcher.main(["train", "--nproc-per-node", "1", override]) == 2
     assert capsys.readouterr().err.splitlines() == [line]
     assert sorted(tmp_path.rglob("*")) == before
 
@@ -580,8 +579,9 @@ def test_a_hostile_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, over
 def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
     """torchrun without the launcher: the guard's own line, not IsADirectoryError."""
     (tmp_path / "run" / ".lock").mkdir(parents=True)
+    config = OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path / "run")}}})
     with pytest.raises(SystemExit) as stop:
-        rundir.guard(tmp_path / "run", None, rundir.Place.run(tmp_path / "run"))
+        rundir.RunDirGuard().on_run_start(config)  # as Hydra calls it
     assert stop.value.code == 2
     assert "its lock file .lock cannot be opened (Is a directory)" in capsys.readouterr().err
 

@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import platform
 import re
 import shutil
@@ -49,9 +48,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import PACKAGE
 from .config import compose as check
+from .config.error import ConfigError
 from .config.schema import TrainConfig, uses_cuda
 from .core.cli import Parser, at_least, seconds
-from .core.exits import Exit
+from .core.exits import Exit, exit_with_error
 from .core.world import World
 from .data import build_dataset
 from .launcher.worker_exits import root_cause
@@ -260,11 +260,14 @@ def whole_windows(steps: int, window: int) -> int:
 
 def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: int) -> None:
     world = World.from_env()
-    cfg = timed(check.compose_and_check(overrides))
+    cfg = timed(check.compose_and_check(overrides, world=world))
     window = cfg.trainer.log_every
     warmup, steps = whole_windows(warmup, window), whole_windows(steps, window)
     cuda = uses_cuda(cfg.dist.backend)
-    apply_nccl_env(cfg, world, scratch, cuda)
+    try:
+        apply_nccl_env(cfg, world, scratch, cuda)
+    except ConfigError as err:  # /dev/shm too small for the transport chosen
+        exit_with_error(str(err), world)
     device = process_group.select_device(cuda, world)
     with process_group.initialized(
         world, device, timeout_s=cfg.dist.timeout_s, destroy_on_error=False
@@ -550,8 +553,11 @@ def main() -> int:
             2, f"{parser.prog}: --json {args.json}: cannot write the figures there: {problem}\n"
         )
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(nproc)  # as the workers see it
-    check.compose_and_check_or_exit(args.overrides)
+    try:  # as the workers will see it
+        check.compose_and_check(args.overrides, world=World(size=nproc, local_size=nproc))
+    except check.CONFIG_ERRORS as err:
+        print(f"config error: {check.describe(err)}", file=sys.stderr)
+        return Exit.CONFIG_ERROR
     try:
         report = figures(run_workers(args, nproc))
     except BenchFailed as failure:

@@ -9,11 +9,11 @@ launcher runs it before torchrun starts.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .config.compose import config_problem
 from .core.exits import Exit
+from .core.world import World
 
 
 def main() -> int:
@@ -27,6 +27,7 @@ def main() -> int:
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
+    world = World.from_env()  # a plain `python -m`: one process
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1:
             print(
@@ -34,8 +35,8 @@ def main() -> int:
                 file=sys.stderr,
             )
             return Exit.CONFIG_ERROR
-        os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"] = str(args.nproc_per_node)
-    problem = config_problem(args.overrides)
+        world = World(size=args.nproc_per_node, local_size=args.nproc_per_node)
+    problem = config_problem(args.overrides, world)
     if problem:
         print(f"config error: {problem}", file=sys.stderr)
         return Exit.CONFIG_ERROR

@@ -45,6 +45,7 @@ from typing import NoReturn
 from . import PACKAGE
 from .core.cli import Parser, at_least, seconds
 from .core.exits import Exit
+from .core.world import World
 from .launcher.worker_exits import root_cause
 
 STOPPED = "stopped by SIGINT; nothing was measured to the end"
@@ -64,6 +65,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from .config.error import ConfigError
 from .config.schema import TrainConfig, register_configs
 from .nccl import decision as nccl
 from .nccl import probe
@@ -169,14 +171,14 @@ class Refused(Exception):
     """A bad argument for this node; one line."""
 
 
-def node_report(gpus: int, nproc: int, between: bool) -> tuple[dict, nccl.NodeFacts]:
+def node_report(gpus: int, nproc: int, between: bool, world: World) -> tuple[dict, nccl.NodeFacts]:
     """This node's facts (links, a peer copy per pair, InfiniBand, /dev/shm, interfaces) as the
-    report's first part, and as `auto` decides from them."""
+    report's first part, and as `auto` decides from them for a launch of `world`."""
     links = probe.topology(gpus)
     pairs = [(i, j) for i in range(gpus) for j in range(i + 1, gpus)]
     tested = probe.peer_copy_tests(pairs)  # every pair here, NVLink ones too: claimed vs tested
     pcie_tests = {pair: result for pair, result in tested.items() if pair not in links.nvlink_pairs}
-    facts = replace(probe.basic_facts(), nvlink_pairs=links.nvlink_pairs, p2p_tests=pcie_tests)
+    facts = replace(probe.basic_facts(world), nvlink_pairs=links.nvlink_pairs, p2p_tests=pcie_tests)
     report = {
         "versions": versions(),
         "gpus": gpus,
@@ -214,9 +216,7 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         )
     between = nproc > 1  # one NCCL process: no link between GPUs is used
     # The decision as training on this one node would make it, with one process per GPU.
-    os.environ.setdefault("WORLD_SIZE", str(nproc))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(nproc))
-    report, facts = node_report(gpus, nproc, between)
+    report, facts = node_report(gpus, nproc, between, World(size=nproc, local_size=nproc))
     if gpus == 0:
         report["note"] = (
             "no CUDA device is visible: NCCL cannot run here; checked gloo on CPU instead"
@@ -436,8 +436,8 @@ def diagnose_nodes(
             f"use at most {gpus}"
         )
     # The decision as training across these nodes would make it (auto reads the node count).
-    os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(nproc * nodes.count), str(nproc)
-    report, facts = node_report(gpus, nproc, between=True)
+    world = World(size=nproc * nodes.count, local_size=nproc)
+    report, facts = node_report(gpus, nproc, True, world)
     control = Control(nodes)
     control.publish("facts", {"gpus": gpus, "ib": facts.ib_active_ports, "shm": facts.shm_bytes})
     # Training's profile first, in the pod's env as the manifest set it; the others without what
@@ -694,6 +694,8 @@ def main() -> int:
             )
     except Refused as err:
         parser.exit(Exit.CONFIG_ERROR, f"{parser.prog}: {err}\n")
+    except ConfigError as err:  # an option of model.py or data.py registered twice (registry)
+        parser.exit(Exit.CONFIG_ERROR, f"config error: {err}\n")
     except NotJoined as err:
         parser.exit(
             Exit.FAILED,

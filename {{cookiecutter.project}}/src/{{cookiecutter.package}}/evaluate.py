@@ -221,7 +221,7 @@ def evaluate(
     for key, value in (("config", state["config"]), ("options", recorded or {})):
         if not isinstance(value, dict):
             raise ConfigError(f"ckpt={path}: its {key!r} is a {type(value).__name__}, not a dict")
-    cfg = from_saved(state["config"], overrides, held_out=True, recorded=recorded, told=told)
+    cfg = from_saved(state["config"], overrides, world, held_out=True, recorded=recorded, told=told)
     data = held_out(
         cfg, world, batch_given=any(o.startswith("data.batch_size=") for o in overrides)
     )

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from . import PACKAGE, PROJECT
 from .core.exits import Exit, for_signal
@@ -92,8 +92,9 @@ from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import get_args_parser, run
 
 from .config import compose as check
-from .config.overrides import exit_with_error
-from .core.world import LAUNCHED_AT_VAR, RUN_NAME_VAR, launched_at, run_name_for
+from .config.error import ConfigError
+from .config.schema import TrainConfig
+from .core.world import LAUNCHED_AT_VAR, RUN_NAME_VAR, World, launched_at, run_name_for
 from .launcher.run_dir_plan import (
     explicit_run_dir,
     new_part,
@@ -259,19 +260,8 @@ def launch(args: list[str]) -> int:
     if args[1:2] in (["-h"], ["--help"]):
         print(f"{usage}\n\n{__doc__.strip()}")
         return Exit.OK
-    parser = get_args_parser()
-    parser.error = parse_error  # type: ignore[method-assign]
     try:
-        options, overrides = split(args[1:], parser)
-        if not given(options, "nproc-per-node"):
-            local = torch.cuda.device_count() if torch.cuda.is_available() else 2
-            options = ["--nproc-per-node", str(local), *options]
-        if not any(given(options, name) for name in RENDEZVOUS):
-            options = ["--standalone", *options]  # one node, rendezvous on a free local port
-        parsed = parser.parse_args([*options, "-m", f"{PACKAGE}.train", *overrides])
-        problem = option_problem(parsed, options)
-        if problem:
-            raise UsageError(problem)
+        parsed, overrides = torchrun_command(args[1:])
     except (UsageError, ArgumentError) as err:
         print(f"{COMMAND} train: {err}", file=sys.stderr)
         return Exit.CONFIG_ERROR
@@ -279,26 +269,71 @@ def launch(args: list[str]) -> int:
     one_node = world_size == local_size
     if one_node:  # its launch names the run (several nodes: world.run_name)
         os.environ.setdefault(RUN_NAME_VAR, run_name_for(time.time(), secrets.token_hex(3)))
-    os.environ["LOCAL_WORLD_SIZE"], os.environ["WORLD_SIZE"] = str(local_size), str(world_size)
-    config = check.compose_and_check_or_exit(overrides)  # as the workers will compose it
+    try:
+        config, run_dir, new = checked(overrides, World(size=world_size, local_size=local_size))
+    except check.CONFIG_ERRORS as err:
+        print(f"config error: {check.describe(err)}", file=sys.stderr, flush=True)
+        return Exit.CONFIG_ERROR
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
+    for name in TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(SaidBelow())
+    # torchrun's run() makes its agent by this name: ours retries no exit in exits.FAIL_AT_ONCE.
+    launcher_api.LocalElasticAgent = Agent
+    return supervise(parsed, config, Planned(run_dir, new, one_node), local_size)
+
+
+def torchrun_command(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """torchrun's options as its parser reads them, with this launcher's defaults (every GPU, or
+    2 CPU processes; a standalone rendezvous), and the overrides for the workers. Raises
+    UsageError or ArgumentError on a bad option."""
+    parser = get_args_parser()
+    parser.error = parse_error  # type: ignore[method-assign]
+    options, overrides = split(args, parser)
+    if not given(options, "nproc-per-node"):
+        local = torch.cuda.device_count() if torch.cuda.is_available() else 2
+        options = ["--nproc-per-node", str(local), *options]
+    if not any(given(options, name) for name in RENDEZVOUS):
+        options = ["--standalone", *options]  # one node, rendezvous on a free local port
+    parsed = parser.parse_args([*options, "-m", f"{PACKAGE}.train", *overrides])
+    problem = option_problem(parsed, options)
+    if problem:
+        raise UsageError(problem)
+    return parsed, overrides
+
+
+class Planned(NamedTuple):
+    """The run dir as this launch knows it before torchrun starts."""
+
+    run_dir: Path | None  # None where only the workers can tell
+    new: Path | None  # the part of it this launch would make (new_part), which a stop removes
+    one_node: bool
+
+
+def checked(overrides: list[str], world: World) -> tuple[TrainConfig, Path | None, Path | None]:
+    """The config the workers will compose, checked for the launch `world`, and its run dir: the
+    dir's lock and resume checked too, where this node can tell. Raises CONFIG_ERRORS."""
+    config = check.compose_and_check(overrides, world=world)
+    one_node = world.size == world.local_size
     # With several nodes, the default dir's name is the rendezvous's: only an explicit one is known.
     run_dir = planned_run_dir(overrides) if one_node else explicit_run_dir(overrides)
     made_here = run_dir is not None and not rundir.present(run_dir)
     new = new_part(run_dir) if made_here else None  # outputs/ too, on a first run
     # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
     # guard decides then.
-    problem = rundir.problem(run_dir, config, busy=one_node) if run_dir else None
+    problem = rundir.problem(run_dir, config, world, busy=one_node) if run_dir else None
     if new:  # made to check it: the workers make it (a stop before they do leaves none)
         remove_empty(run_dir, new)  # empty only: another node's workers may be writing there
     if problem:
-        exit_with_error(f"config error: {problem}")
-    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):  # torchrun sets them per worker
-        del os.environ[name]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
-    for name in TORCHRUN_LOGGERS:
-        logging.getLogger(name).addFilter(SaidBelow())
-    # torchrun's run() makes its agent by this name: ours retries no exit in exits.FAIL_AT_ONCE.
-    launcher_api.LocalElasticAgent = Agent
+        raise ConfigError(problem)
+    return config, run_dir, new
+
+
+def supervise(
+    parsed: argparse.Namespace, config: TrainConfig, planned: Planned, local_size: int
+) -> int:
+    """torchrun's run, watched: its workers' memory, the rendezvous host, the stop signals; a
+    lost rendezvous host joined again; and how the launch ended, in one line and its exit code."""
+    run_dir, new, one_node = planned
 
     def stopped(name: str) -> str:
         """The stop's line; a run dir this launch made and left with nothing of value goes."""

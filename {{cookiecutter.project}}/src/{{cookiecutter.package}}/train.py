@@ -53,10 +53,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import PACKAGE, PROJECT, data, model  # noqa: F401  (the user's options: their @builds register the builders)
+from .config.error import ConfigError
+from .config.logger_probes import LoggerError
 from .config.overrides import hydra_argv
 from .config.schema import TrainConfig, register_configs, uses_cuda
 from .config.validate import check_composed
-from .core.exits import Exit
+from .core.exits import Exit, exit_with_error
 from .nccl import decision as nccl
 from .nccl import failfast, process_group
 from .record import metrics
@@ -78,7 +80,7 @@ def report_collective_failure(
     decision: nccl.Decision,
     run_dir: Path,
 ) -> None:
-    if failfast.claim_report(run_dir):
+    if failfast.claim_report(run_dir, world):
         block = failfast.remedy_block(
             failure,
             rank=world.rank,
@@ -137,8 +139,7 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
         )
 
 
-def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
-    world = World.from_env()
+def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[str]) -> None:
     timeline = Timeline(IMPORTED_AT)
     timeline.mark("config")  # Hydra's composing and the checks
     cuda = uses_cuda(cfg.dist.backend)  # decided once: the device, compiling, the start-up line
@@ -146,7 +147,10 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
     cache = compilation.keep_caches_in(run_dir) if compiling else None
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
-    decision = apply_nccl_env(cfg, world, run_dir, cuda)  # before the group is made
+    try:
+        decision = apply_nccl_env(cfg, world, run_dir, cuda)  # before the group is made
+    except ConfigError as err:  # /dev/shm too small for the transport chosen
+        exit_with_error(str(err), world)
     timeline.mark(  # over gloo the line names nothing of NCCL's
         ("node probe" if cfg.nccl.auto else "NCCL environment") if cuda else "environment"
     )
@@ -208,6 +212,8 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
                 if world.main:
                     print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
                 exit_code = err.exit
+            except LoggerError as err:
+                end_before_the_others(err, world, run_dir)
             del trainer
             process_group.finish_together()
             if world.main:
@@ -223,6 +229,16 @@ def main_worker(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> None:
                 orphan_watch.stop()
     if exit_code:
         sys.exit(exit_code)
+
+
+def end_before_the_others(err: LoggerError, world: World, run_dir: Path) -> NoReturn:
+    """Only rank 0 starts the loggers; the other ranks wait for it in the first step's all-reduce
+    and fail once it ends. So it ends at once, exit 2 after one line naming the logger, and
+    claims the failure report: theirs then say "failed too", and the launcher names this one.
+    No unwinding: a later exit would read as a consequence."""
+    failfast.claim_report(run_dir, world)
+    print(f"config error: {err}", file=sys.stderr, flush=True)
+    end_now(Exit.CONFIG_ERROR)
 
 
 def end_now(code: int) -> NoReturn:
@@ -241,25 +257,28 @@ def stop_quietly(signals: stopping.StopSignals) -> NoReturn:
     end_now(signals.exit_code)
 
 
-register_configs()  # the schema and resolvers must exist before Hydra composes
-
-
 @hydra.main(
     version_base="1.3",
     config_path=f"pkg://{PACKAGE}.configs",
     config_name="train",
 )
 def main(cfg: DictConfig) -> None:
-    """Hydra has composed the config; config.compose.ConfigCheck has checked it."""
+    """Hydra has composed the config; config.compose.ConfigCheck has checked it. Call
+    register_configs() first, as __main__ does."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    world = World.from_env()  # torchrun's, for this worker: read once, passed down
     # Hydra hands the task its config without the hydra node: the NCCL profile chosen is said here.
-    config = check_composed(cfg, nccl_choice=hydra_cfg.runtime.choices.get("nccl"))
-    main_worker(config, run_dir, list(hydra_cfg.overrides.task))
+    config = check_composed(cfg, world, nccl_choice=hydra_cfg.runtime.choices.get("nccl"))
+    main_worker(config, world, run_dir, list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":
     world = World.from_env()
     stopping.SIGNALS.install(world.main, world.launched)  # SIGTERM, Ctrl-C: no traceback
-    sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML errors
+    try:
+        register_configs()  # the schemas and resolvers, before Hydra composes
+        sys.argv[1:] = hydra_argv(sys.argv[1:])  # NCCL's comma lists, nccl.env.<NAME>=; YAML
+    except ConfigError as err:  # a configs/ file that is not YAML, an option registered twice
+        exit_with_error(f"config error: {err}", world)
     main()

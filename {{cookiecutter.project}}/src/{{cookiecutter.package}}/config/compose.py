@@ -23,11 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .. import PACKAGE
+from ..core.exits import exit_with_error
 from ..core.suggest import did_you_mean
+from ..core.world import World
 from . import logger_probes
 from .error import ConfigError
 from .loggers import LoggersConfig
-from .overrides import configs_folder, exit_with_error, hydra_overrides, yaml_problem
+from .overrides import configs_folder, hydra_overrides, yaml_problem
 from .registry import stored_options
 from .schema import TrainConfig, register_configs
 from .validate import check_composed
@@ -94,27 +96,21 @@ def compose_train(overrides: list[str], folder: Path | None) -> DictConfig:
 
 
 def compose_and_check(
-    overrides: list[str], folder: Path | None = None, this_node: bool = True
+    overrides: list[str],
+    folder: Path | None = None,
+    this_node: bool = True,
+    world: World | None = None,
 ) -> TrainConfig:
     """The config train would run with `overrides`, composed here and checked (the loggers too);
-    raises on a bad one. For code that has overrides, not a composed config: the tests, and the
-    commands through compose_and_check_or_exit. A DictConfig already composed:
-    validate.check_composed."""
-    config = check_composed(compose_train(overrides, folder), this_node=this_node)
+    raises CONFIG_ERRORS on a bad one, which a command turns into its one line (describe). For
+    code that has overrides, not a composed config: the commands and the tests. `world`: the
+    launch the config is for (the launcher's, before torchrun starts it); None: this process's.
+    A DictConfig already composed: validate.check_composed."""
+    composed = compose_train(overrides, folder)
+    config = check_composed(composed, world or World.from_env(), this_node=this_node)
     if this_node:
         check_loggers(config)
     return config
-
-
-def compose_and_check_or_exit(
-    overrides: list[str], folder: Path | None = None, this_node: bool = True
-) -> TrainConfig:
-    """compose_and_check for a command (the launcher, k8s, bench): a bad config is one
-    `config error:` line and exit 2 (overrides.exit_with_error)."""
-    try:
-        return compose_and_check(overrides, folder, this_node)
-    except CONFIG_ERRORS as err:
-        exit_with_error(f"config error: {describe(err)}")
 
 
 def no_such_option(group: str, name: str, options: list[str]) -> str:
@@ -180,37 +176,42 @@ def describe(err: Exception) -> str:
     return str(err) if isinstance(err, ConfigError) else one_line(err)
 
 
-def config_problem(overrides: list[str]) -> str | None:
-    """None if the config composed with `overrides` is valid, else one line naming the key."""
+def config_problem(overrides: list[str], world: World | None = None) -> str | None:
+    """None if the config composed with `overrides` is valid (for the launch `world`; None: this
+    process's), else one line naming the key."""
     try:
-        compose_and_check(overrides)
+        compose_and_check(overrides, world=world)
     except CONFIG_ERRORS as err:
         return describe(err)
     return None
-
-
-def checked_or_exit(composed: DictConfig) -> TrainConfig:
-    """A job's composed config, checked, or one `config error:` line and exit 2 on every rank."""
-    try:
-        config = check_composed(composed)
-        check_loggers(config)
-    except CONFIG_ERRORS as err:
-        exit_with_error(f"config error: {describe(err)}")
-    return config
 
 
 class ConfigCheck(Callback):
     """Hydra calls this (configs/train.yaml, hydra.callbacks) after composing a run's config and
     before it creates the run dir: a bad value stops every rank in one line, leaving nothing.
     RunDirGuard and train's main check the same config again where they need it typed (about
-    10 ms): nothing passes between them but the config Hydra hands each."""
+    10 ms): nothing passes between them but the config Hydra hands each. A callback is where
+    Hydra hands the train command control: an exception raised here would be Hydra's traceback,
+    so it ends the command itself."""
+
+    def __init__(self) -> None:
+        self.world = World.from_env()
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        checked_or_exit(config)
+        self.check(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
-        checked_or_exit(config)  # the sweep's base config: a bad one starts no job
+        self.check(config)  # the sweep's base config: a bad one starts no job
 
     def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
         if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:  # a run's one: on_run_start
-            checked_or_exit(config)  # each job of a sweep, with its own overrides
+            self.check(config)  # each job of a sweep, with its own overrides
+
+    def check(self, composed: DictConfig) -> TrainConfig:
+        """A job's composed config, checked, or one `config error:` line and exit 2 on every rank."""
+        try:
+            config = check_composed(composed, self.world)
+            check_loggers(config)
+        except CONFIG_ERRORS as err:
+            exit_with_error(f"config error: {describe(err)}", self.world)
+        return config

@@ -7,16 +7,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
-import time
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from .. import PACKAGE
-from ..core.exits import Exit
-from ..core.world import World
 from ..nccl import decision as nccl
+from .error import ConfigError
 
 # What NCCL reads as comma lists (NCCL_DEBUG_SUBSYS=INIT,NET, NCCL_IB_HCA=mlx5_0,mlx5_1, and
 # many nccl.env variables: NCCL_ALGO=Ring,Tree) Hydra reads as a sweep, and a value that starts
@@ -152,22 +149,12 @@ def yaml_file_problem(path: Path, group: str) -> str | None:
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
-    """train's command line before Hydra reads it: a configs/ file that is not YAML stops it in
-    one line, and the overrides are rewritten as hydra_overrides says."""
+    """train's command line before Hydra reads it: a configs/ file that is not YAML raises
+    ConfigError, and the overrides are rewritten as hydra_overrides says."""
     problem = yaml_problem(configs_folder())
     if problem:
-        exit_with_error(f"config error: {problem}")
+        raise ConfigError(problem)
     return hydra_overrides(argv)
-
-
-def exit_with_error(message: str, grace_s: float = 60) -> NoReturn:
-    """Every local rank finds the same error. Local rank 0 prints it, once per node; the others
-    wait for that, because torchrun stops all workers as soon as the first one exits."""
-    if World.from_env().local_rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    else:
-        time.sleep(grace_s)
-    sys.exit(Exit.CONFIG_ERROR)
 
 
 def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

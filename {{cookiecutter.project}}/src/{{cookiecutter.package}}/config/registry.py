@@ -16,8 +16,9 @@ packages, build_model, build_dataset and loggers.build.
 A checkpoint records the option of each group its values fill (chosen(): model=mlp, data=synthetic),
 because two options may have the same keys: their values alone cannot tell which schema and
 builder wrote them. So an option's name, and its schema's name in the ConfigStore (stored_as), are
-its own within its group: a second registration of either is refused at import, in one line that
-names both places (option()). Schema names are unique across groups too: the ConfigStore holds
+its own within its group: a second registration of either is refused, in one line that names
+both places (option()); found at import, where no caller can turn it into one line, it is raised
+as ConfigError by the first use of the schemas (stored_options(): composing, checking). Schema names are unique across groups too: the ConfigStore holds
 them at its root.
 """
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
+
+from .error import ConfigError
 
 Schema = TypeVar("Schema", bound=type)
 Builder = TypeVar("Builder", bound=Callable[..., Any])
@@ -48,6 +51,7 @@ class Option:
 
 OPTIONS: dict[type, Option] = {}  # by schema, in the order registered
 BUILDERS: dict[type, Callable[..., Any]] = {}  # by schema
+CLASHES: list[str] = []  # registrations refused at import, each in its line: stored_options()
 
 
 def option(
@@ -60,22 +64,25 @@ def option(
     package: tuple[str, str] | None = None,
 ) -> Callable[[Schema], Schema]:
     """Register the decorated dataclass as the schema of configs/<group>/<name>.yaml. A name or a
-    stored_as that another schema of the group has already is one line and exit 2 (refuse)."""
+    stored_as that another schema of the group has already is not registered: the clash is kept
+    for stored_options() to raise."""
     caller = sys._getframe(1)  # the @option line: where a collision message points
     where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
     def register(schema: Schema) -> Schema:
         new = Option(group, name, schema, what, stored_as, reads, package, where)
         if stored_as in ROOT_NAMES:
-            refuse(
+            CLASHES.append(
                 f"{group}={name}: stored_as={stored_as!r} ({schema.__name__} at {where}) is the name of "
                 f"the primary config's own; each option's schema needs a name of its own, e.g. "
                 f"stored_as='{name}_schema'"
             )
+            return schema
         for old in [o for o in OPTIONS.values() if not same(o.schema, schema)]:
             clash = collision(old, new)
             if clash:
-                refuse(clash)
+                CLASHES.append(clash)
+                return schema
         for old in [s for s in OPTIONS if same(s, schema)]:  # its module imported again
             del OPTIONS[old]
         OPTIONS[schema] = new
@@ -115,15 +122,6 @@ def collision(old: Option, new: Option) -> str | None:
 ROOT_NAMES = {"train", "train_schema"}
 
 
-def refuse(line: str) -> NoReturn:
-    """A collision found as a module registers its options, at import: no caller is there yet to
-    turn an exception into one line, so it is printed here and the process ends as on a bad
-    config (exit 2; on local rank 0 only, as overrides.exit_with_error does)."""
-    from .overrides import exit_with_error  # here: it is needed only to refuse
-
-    exit_with_error(f"config error: {line}")
-
-
 def builds(schema: type) -> Callable[[Builder], Builder]:
     """Register the decorated class or function as what builds an option of `schema`."""
 
@@ -139,7 +137,11 @@ def options(group: str) -> list[Option]:
 
 
 def stored_options() -> list[Option]:
-    """The options whose YAML names a schema of their own (model, data)."""
+    """The options whose YAML names a schema of their own (model, data). Every command that
+    composes or checks a config asks for them first (register_configs): a registration refused at
+    import ends it here, as a bad config does."""
+    if CLASHES:
+        raise ConfigError(CLASHES[0])
     return [o for o in OPTIONS.values() if o.stored_as is not None]
 
 

@@ -115,7 +115,8 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
 
 def check_composed(
     cfg: DictConfig,
-    world: World | None = None,
+    world: World,
+    *,
     this_node: bool = True,
     held_out: bool = False,
     nccl_choice: str | None = None,
@@ -125,8 +126,8 @@ def check_composed(
     run's config is not ours: it is left out, and only says which NCCL profile was chosen.
     this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
     held_out=True checks the data for evaluation rather than training (check_data). nccl_choice:
-    the profile nccl=<name> chose, for a config without its hydra node (train's task)."""
-    world = world or World.from_env()
+    the profile nccl=<name> chose, for a config without its hydra node (train's task). `world`:
+    the launch it is for, as the command decided it."""
     chosen = OmegaConf.select(cfg, "hydra.runtime.choices.nccl", default=nccl_choice)
     if "hydra" in cfg:
         cfg = copy.deepcopy(cfg)
@@ -192,6 +193,7 @@ def check_accept_changes(config: TrainConfig) -> None:
 def from_saved(
     saved: dict[str, Any],
     overrides: list[str],
+    world: World,
     held_out: bool = False,
     recorded: dict[str, str] | None = None,
     told: dict[str, str] | None = None,
@@ -212,7 +214,7 @@ def from_saved(
         cfg.merge_with_dotlist(overrides)
     except OmegaConfBaseException as err:
         raise ConfigError(" ".join(str(err).split())) from None
-    return check_composed(cfg, held_out=held_out)
+    return check_composed(cfg, world, held_out=held_out)
 
 
 def saved_option(group: str, values: Any, recorded: Any, told: str | None) -> Option:

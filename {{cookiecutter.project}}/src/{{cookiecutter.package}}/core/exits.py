@@ -9,7 +9,13 @@ k8s/ reads FAIL_AT_ONCE from here. The standard library only: the template's hoo
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from enum import IntEnum
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from .world import World
 
 
 class Exit(IntEnum):
@@ -40,3 +46,15 @@ def for_signal(signum: int) -> int:
 
 
 FAIL_AT_ONCE = [int(code) for code in Exit if code.fails_job]
+
+
+def exit_with_error(message: str, world: World, grace_s: float = 60) -> NoReturn:
+    """A command's end on an error every local rank finds alike (a bad config, a refused run dir):
+    exit 2. Local rank 0 prints the line, once per node; the others wait for that, because
+    torchrun stops all workers as soon as the first one exits. Helpers raise ConfigError; only a
+    command, or a Hydra callback (where Hydra hands the train command control), calls this."""
+    if world.local_rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(grace_s)
+    sys.exit(Exit.CONFIG_ERROR)

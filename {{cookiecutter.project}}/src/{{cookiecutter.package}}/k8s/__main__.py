@@ -69,7 +69,11 @@ def main() -> int:
     # without this one's overrides, or configs/ without its.
     with sync.locked(folder):
         # deploy_errors() included: exit 2, one line. The pods' GPUs are not this machine's.
-        cfg = check.compose_and_check_or_exit(args.overrides, folder, this_node=False)
+        try:
+            cfg = check.compose_and_check(args.overrides, folder, this_node=False)
+        except check.CONFIG_ERRORS as err:
+            print(f"config error: {check.describe(err)}", file=sys.stderr)
+            return Exit.CONFIG_ERROR
         deploy, profile = deploy_and_profile(cfg)
         rendered = render.manifests(deploy, nccl_env(profile))
         if args.check:

@@ -258,7 +258,11 @@ def main() -> int:
 
     source = project_root(Path.cwd()) / "configs"
     folder = source if (source / "train.yaml").is_file() else None
-    cfg = check.compose_and_check_or_exit(args.overrides, folder, this_node=False)
+    try:
+        cfg = check.compose_and_check(args.overrides, folder, this_node=False)
+    except check.CONFIG_ERRORS as err:
+        print(f"config error: {check.describe(err)}", file=sys.stderr)
+        return Exit.CONFIG_ERROR
     deploy, profile = deploy_and_profile(cfg)
     found = objects(deploy, profile)
     if args.print:

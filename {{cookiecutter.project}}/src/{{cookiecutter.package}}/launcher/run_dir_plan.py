@@ -9,14 +9,15 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from ..config import compose as check
-from ..config.overrides import exit_with_error, hydra_overrides
+from ..config.error import ConfigError
+from ..config.overrides import hydra_overrides
 from ..config.schema import register_configs
 from ..run import checkpoint, rundir
 
 
 def explicit_run_dir(overrides: list[str]) -> Path | None:
     """hydra.run.dir when given as a plain path, read as Hydra reads it (quotes and escapes
-    removed); a default dir is new for every launch."""
+    removed); a default dir is new for every launch. An empty one raises ConfigError."""
     for override in overrides:
         try:
             (parsed,) = OverridesParser.create().parse_overrides([override])
@@ -26,7 +27,7 @@ def explicit_run_dir(overrides: list[str]) -> Path | None:
             value = parsed.value()
             problem = rundir.empty(value, "hydra.run.dir")
             if problem:
-                exit_with_error(f"config error: {problem}")
+                raise ConfigError(problem)
             if isinstance(value, (str, int, float)) and "${" not in str(value):
                 return Path(str(value))
     return None
@@ -34,7 +35,7 @@ def explicit_run_dir(overrides: list[str]) -> Path | None:
 
 def planned_run_dir(overrides: list[str]) -> Path | None:
     """The run dir the workers will use, as Hydra composes it (the launcher named the run), or
-    None where it cannot tell."""
+    None where it cannot tell. An empty one raises ConfigError."""
     try:
         register_configs()
         with check.configs_at(None):
@@ -46,7 +47,7 @@ def planned_run_dir(overrides: list[str]) -> Path | None:
         return None
     problem = rundir.empty(value, "hydra.run.dir")
     if problem:
-        exit_with_error(f"config error: {problem}")
+        raise ConfigError(problem)
     return Path(value)
 
 

@@ -192,9 +192,9 @@ def as_collective_failure(err: BaseException, phase: str, backend: str) -> Colle
     return CollectiveFailure(collective, sequence_number(), phase, detail, cause)
 
 
-def claim_report(run_dir: Path) -> bool:
+def claim_report(run_dir: Path, world: World) -> bool:
     """True for the first process of this launch to fail: only it prints the full block."""
-    marker = run_dir / "nccl" / f"failure-reported-{World.from_env().attempt}"  # one per launch
+    marker = run_dir / "nccl" / f"failure-reported-{world.attempt}"  # one per launch
     marker.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

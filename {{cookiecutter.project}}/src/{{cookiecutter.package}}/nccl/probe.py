@@ -195,26 +195,28 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def basic_facts(count: Callable[[], int] = gpu_count) -> NodeFacts:
-    """The cheap facts, for profiles that decide nothing themselves: no link probe, no copies."""
+def basic_facts(world: World, count: Callable[[], int] = gpu_count) -> NodeFacts:
+    """The cheap facts, for profiles that decide nothing themselves: no link probe, no copies.
+    `world`: the launch the decision is for (its size, and its processes on this node)."""
     return NodeFacts(
         gpu_count=count(),
         nvlink_pairs=frozenset(),
         ib_active_ports=active_ib_ports(),
-        world_size=World.from_env().size,
-        local_world_size=World.from_env().local_size,
+        world_size=world.size,
+        local_world_size=world.local_size,
         shm_bytes=shm_bytes(),
     )
 
 
 def probe_node(
+    world: World,
     timeout_s: float = PEER_COPY_TIMEOUT_S,
     command: Callable[[int, int], list[str]] = peer_copy_command,
     count: Callable[[], int] = gpu_count,
 ) -> NodeFacts:
     """Everything `auto` decides from: links by NVML or nvidia-smi, and a peer copy per PCIe pair."""
     started = time.perf_counter()
-    facts = basic_facts(count)
+    facts = basic_facts(world, count)
     gpus = facts.gpu_count
     links = topology(gpus)
     pcie = [
@@ -231,14 +233,15 @@ def probe_node(
 
 def shared_node_facts(
     run_dir: Path,
-    local_rank: int,
-    probe: Callable[[], NodeFacts] = probe_node,
+    world: World,
+    probe: Callable[[], NodeFacts] | None = None,
     wait_s: float = PUBLISH_WAIT_S,
 ) -> NodeFacts:
-    """Local rank 0 probes and publishes atomically; the other local ranks wait and read."""
-    path = run_dir / "nccl" / f"probe-{socket.gethostname()}-{World.from_env().attempt}.json"
-    if local_rank == 0:
-        facts = probe()
+    """Local rank 0 probes (probe_node, unless `probe` is given) and publishes atomically; the
+    other local ranks wait and read."""
+    path = run_dir / "nccl" / f"probe-{socket.gethostname()}-{world.attempt}.json"
+    if world.local_rank == 0:
+        facts = probe() if probe else probe_node(world)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, facts.to_json())  # readers see the whole file or none
         return facts

@@ -13,6 +13,8 @@ class RankFilter(logging.Filter):
 
     def __init__(self, others_min_level: str | None = "WARNING") -> None:
         super().__init__()
+        # Hydra's logging config makes this filter, before any of ours runs: an entry point of
+        # its own, it reads torchrun's environment itself.
         self.rank = World.from_env().rank
         # getLevelName maps a level name to its number (getLevelNamesMapping needs 3.11).
         self.others_min_level = logging.getLevelName(others_min_level) if others_min_level else None

@@ -10,15 +10,13 @@ import csv
 import io
 import json
 import logging
-import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from .. import PROJECT
-from ..config.logger_probes import LoggerError
 from ..core.exits import Exit
 from ..core.files import write_atomically
 from . import loggers
@@ -71,10 +69,9 @@ class RunRecord:
             return
         # Hydra makes the run dir, but a caller without Hydra (bench) may hand over a new one.
         run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.logger = loggers.build(logger, run_dir, start_step, config)
-        except LoggerError as err:
-            exit_before_the_others(err, run_dir)
+        # A logger that cannot start raises LoggerError, on rank 0 alone: train ends on it at
+        # once, before the other ranks' first all-reduce times out.
+        self.logger = loggers.build(logger, run_dir, start_step, config)
         # A resumed run starts again after its checkpoint: forget what was logged past it. Each
         # file is replaced whole, so that a kill during the rewrite leaves the old one.
         kept = [row for row in read_raw_rows(run_dir) if float(row["step"]) <= start_step]
@@ -141,19 +138,6 @@ class RunRecord:
             self.progress.stop()
         self.logger.close()
         self.csv_file.close()
-
-
-def exit_before_the_others(err: LoggerError, run_dir: Path) -> NoReturn:
-    """Only rank 0 starts the loggers; the other ranks wait for it in the first step's all-reduce
-    and fail once it ends. So it ends at once, exit 2 after one line naming the logger, and
-    claims the failure report: theirs then say "failed too", and the launcher names this one."""
-    from ..nccl import failfast  # torch: not for the plot command
-
-    failfast.claim_report(run_dir)
-    print(f"config error: {err}", file=sys.stderr, flush=True)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    os._exit(Exit.CONFIG_ERROR)  # no unwinding: a later exit reads as a consequence
 
 
 class ProgressBar:

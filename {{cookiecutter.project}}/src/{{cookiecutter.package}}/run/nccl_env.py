@@ -1,5 +1,6 @@
 """The NCCL environment each worker writes before its process group exists: NCCL reads its
-variables once, when the first communicator is made. train's main_worker and bench call it."""
+variables once, when the first communicator is made. train's main_worker and bench call it, and
+end on its ConfigError: a /dev/shm too small for the transport the settings choose."""
 
 import logging
 import os
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.overrides import exit_with_error
+from ..config.error import ConfigError
 from ..config.schema import TrainConfig
 from ..core.world import World
 from ..nccl import decision as nccl
@@ -19,16 +20,14 @@ log = logging.getLogger(__name__)
 def apply_nccl_env(cfg: TrainConfig, world: World, run_dir: Path, cuda: bool) -> nccl.Decision:
     """NCCL reads its variables once, when the first communicator is made: write them first.
     cuda: the caller's uses_cuda(cfg.dist.backend), asked once."""
-    facts = (
-        probe.shared_node_facts(run_dir, world.local_rank) if cfg.nccl.auto else probe.basic_facts()
-    )
+    facts = probe.shared_node_facts(run_dir, world) if cfg.nccl.auto else probe.basic_facts(world)
     (run_dir / "nccl").mkdir(parents=True, exist_ok=True)
     recorder = nccl.flight_recorder_env(str(run_dir / "nccl" / "trace_rank_"), torch.__version__)
     explicit = nccl.explicit_settings(cfg.dist.async_error_handling)
     decision = nccl.decide(cfg.nccl, facts, os.environ, defaults=recorder, explicit=explicit)
     shm_problem = nccl.shm_error(facts, decision.env) if cuda else None
     if shm_problem:
-        exit_with_error(shm_problem)
+        raise ConfigError(shm_problem)
     os.environ.update(decision.env)
     if world.main and cuda:  # over gloo none of this is used: say nothing of it
         if cfg.nccl.auto:

@@ -17,7 +17,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,10 +28,11 @@ from ..config.error import ConfigError
 from ..config.global_batch import KEYS as GLOBAL_BATCH_KEYS
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from ..config.marks import FREE_ON_RESUME
-from ..config.overrides import dotted, exit_with_error
+from ..config.overrides import dotted
 from ..config.registry import chosen, fitting
 from ..config.schema import TrainConfig, marked_keys
 from ..config.validate import check_composed, unrecorded
+from ..core.exits import exit_with_error
 from ..core.world import World
 from . import checkpoint
 
@@ -177,19 +177,19 @@ def refuse_if_busy(run_dir: Path) -> None:
         os.close(fd)
 
 
-def keeps_global_batch(state: dict[str, Any], config: TrainConfig) -> bool:
+def keeps_global_batch(state: dict[str, Any], config: TrainConfig, world: World) -> bool:
     """This launch's batch figures make the checkpoint's global batch: they may differ from its
     config's (another world size) and change nothing the run computes."""
     try:
         saved = GlobalBatch.saved(state)
     except (KeyError, TypeError):
         return False
-    now = World.from_env().size * config.data.batch_size * config.trainer.grad_accumulation
+    now = world.size * config.data.batch_size * config.trainer.grad_accumulation
     return now == saved.samples
 
 
 def global_batch_problem(
-    state: dict[str, Any], saved_config: dict[str, Any], config: TrainConfig, path: Path
+    state: dict[str, Any], saved_config: dict[str, Any], config: TrainConfig, world: World
 ) -> str | None:
     """A world size that cannot keep the checkpoint's global batch (global_batch.on_resume), as
     a line, or None."""
@@ -197,9 +197,7 @@ def global_batch_problem(
         saved = GlobalBatch.saved(state)
     except (KeyError, TypeError):
         return None  # not a checkpoint of this project's: the load says what is wrong
-    now = GlobalBatch(
-        World.from_env().size, config.data.batch_size, config.trainer.grad_accumulation
-    )
+    now = GlobalBatch(world.size, config.data.batch_size, config.trainer.grad_accumulation)
     try:
         on_resume(saved, saved_config, now, accepted(config.trainer.accept_changes))
     except GlobalBatchChanged as err:
@@ -227,9 +225,11 @@ def changes_on_resume(
     ]
 
 
-def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = None) -> str | None:
+def resume_problem(
+    run_dir: Path, config: TrainConfig, world: World, place: Place | None = None
+) -> str | None:
     """A resume whose config would change results, or that would train no step, as one line,
-    or None."""
+    or None. `world`: the launch that would resume (its size makes the global batch)."""
     key, shown = place or Place.run(run_dir)
     found = checkpoint.newest_readable(run_dir, mmap=True)
     if found is None:
@@ -246,10 +246,10 @@ def resume_problem(run_dir: Path, config: TrainConfig, place: Place | None = Non
     if switched:
         return switched
     saved_config = state.get("config", {})
-    batch = global_batch_problem(state, saved_config, config, path)
+    batch = global_batch_problem(state, saved_config, config, world)
     if batch:
         return f"{shown} resumes from {path.name}: {batch}, or choose another {key}"
-    changes = changes_on_resume(saved_config, config, keeps_global_batch(state, config))
+    changes = changes_on_resume(saved_config, config, keeps_global_batch(state, config, world))
     if not changes:
         return None
     listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in changes)
@@ -306,30 +306,37 @@ def option_problem(
     return None
 
 
-def problem(run_dir: Path, config: TrainConfig, busy: bool = True) -> str | None:
-    """Everything the launcher can tell before torchrun starts; `busy`: the lock too."""
+def problem(run_dir: Path, config: TrainConfig, world: World, busy: bool = True) -> str | None:
+    """Everything the launcher can tell before torchrun starts, for the launch `world`; `busy`:
+    the lock too."""
     try:
         message = unusable(run_dir)
         if message is None and busy:
             refuse_if_busy(run_dir)
-        return message or resume_problem(run_dir, config)
+        return message or resume_problem(run_dir, config, world)
     except RunDirError as err:
         return str(err)
 
 
 class RunDirGuard(Callback):
     """Hydra calls this after composing the config: for a run before it creates the run dir; for
-    each job of a sweep (-m) as that job starts, in the dir Hydra made for it."""
+    each job of a sweep (-m) as that job starts, in the dir Hydra made for it. A callback is where
+    Hydra hands the train command control: a refusal ends the command here, in one line (an
+    exception would be Hydra's traceback)."""
 
     def __init__(self) -> None:
+        self.world = World.from_env()
         self.before: dict[Path, bytes] = {}  # a sweep's Hydra files as they were before it
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
-        message = empty(config.hydra.run.dir, RUN_KEY)
-        if message:
-            exit_with_error(f"config error: {message}")
-        run_dir = Path(config.hydra.run.dir)
-        guard(run_dir, config, Place.run(run_dir))
+        try:
+            message = empty(config.hydra.run.dir, RUN_KEY)
+            if message:
+                raise RunDirError(message)
+            run_dir = Path(config.hydra.run.dir)
+            guard(run_dir, config, self.world, Place.run(run_dir))
+        except ConfigError as err:
+            exit_with_error(f"config error: {err}", self.world)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -338,7 +345,7 @@ class RunDirGuard(Callback):
             sweep_dir, Place(SWEEP_KEY, f"{SWEEP_KEY}={sweep_dir}")
         )
         if message:
-            exit_with_error(f"config error: {message}")
+            exit_with_error(f"config error: {message}", self.world)
         # Hydra writes each job's .hydra/ (and the sweep's multirun.yaml) before on_job_start: a
         # job refused there puts back what an earlier sweep left.
         for pattern in ("multirun.yaml", "*/.hydra/*", "*/*/.hydra/*"):
@@ -352,7 +359,11 @@ class RunDirGuard(Callback):
         job_dir = Path(config.hydra.runtime.output_dir)
         sweep = f"{SWEEP_KEY}={config.hydra.sweep.dir}"
         place = Place(SWEEP_KEY, f"{sweep} job {config.hydra.job.num} ({job_dir})")
-        guard(job_dir, config, place, refused=lambda: self.put_back(config))
+        try:
+            guard(job_dir, config, self.world, place)
+        except ConfigError as err:
+            self.put_back(config)
+            exit_with_error(f"config error: {err}", self.world)
 
     def on_job_end(self, config: DictConfig, **kwargs: object) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:  # the sweep's next job has a dir of its own
@@ -376,17 +387,12 @@ class RunDirGuard(Callback):
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra's run_job saves
 
 
-def guard(
-    run_dir: Path, config: DictConfig, place: Place, refused: Callable[[], None] = lambda: None
-) -> None:
-    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check."""
+def guard(run_dir: Path, config: DictConfig, world: World, place: Place) -> None:
+    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check. A
+    refusal raises RunDirError (or the config's ConfigError), its message the line to print."""
     message = unusable(run_dir, place)  # every rank: Hydra creates the dir in each
-    if message is None and World.from_env().main:
-        try:
-            acquire(run_dir, place=place)
-            message = resume_problem(run_dir, check_composed(config), place)
-        except RunDirError as err:
-            message = str(err)
+    if message is None and world.main:
+        acquire(run_dir, place=place)
+        message = resume_problem(run_dir, check_composed(config, world), world, place)
     if message:
-        refused()
-        exit_with_error(f"config error: {message}")
+        raise RunDirError(message)
