@@ -1,5 +1,6 @@
 """The package's folders are its architecture (docs/layout.md): the commands and the user's files at
-the top, the machinery in wings below them, each wing importing only itself and the wings under it.
+the top, the machinery in wings below them, each wing importing only itself and the wings under it;
+only a command (or a Hydra callback, where Hydra hands train control) ends the process.
 
     python -m pytest tests/test_architecture.py     # after moving a module, or adding an import
 
@@ -79,14 +80,60 @@ def is_command(name: str, path: Path) -> bool:
     import (the user's files are imported by the commands)."""
     if "." in name or name in USERS_FILES or name == "":
         return False
+    return runs_as_main(path)
+
+
+# Ending the process: a command's to do. Below the commands, code raises (ConfigError, its
+# message the line to print) and the command decides how it ends.
+EXITS = {"sys.exit", "os._exit", "exit_with_error"}
+# Where the process ends outside a command, each with its reason.
+ALLOWED_EXITS = {
+    # exit_with_error itself: what commands and callbacks call
+    "core.exits",
+    # a stop signal's handler (or the step a stop waited for) ends the process where it lands
+    "run.stopping",
+}
+
+
+def exit_calls(path: Path) -> Iterator[tuple[str, int]]:
+    """(what, line) for each way `path` ends the process outside a Hydra callback's methods: a
+    call of sys.exit, os._exit or exit_with_error, or `raise SystemExit`. A Hydra callback is
+    where Hydra hands the train command control, and ends it as a command does."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    callbacks = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base).endswith("Callback") for base in node.bases)
+    ]
+    inside = {id(inner) for callback in callbacks for inner in ast.walk(callback)}
+    for node in ast.walk(tree):
+        if id(node) in inside:
+            continue
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in EXITS:
+            yield ast.unparse(node.func), node.lineno
+        elif isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if ast.unparse(raised) == "SystemExit":
+                yield "raise SystemExit", node.lineno
+
+
+def runs_as_main(path: Path) -> bool:
+    """A command: python -m runs it (the top's commands, and a wing's own, such as k8s.apply)."""
     return 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")
 
 
 def problems(root: Path) -> list[str]:
     """Each way the package breaks its layout, one line each."""
     known = modules(root)
+    found = [
+        f"{name}:{line} ends the process ({what}): only a command or a Hydra callback may; raise "
+        "ConfigError (or an error of its own) for the command to end on"
+        for name, path in known.items()
+        if name not in ALLOWED_EXITS and not runs_as_main(path)
+        for what, line in exit_calls(path)
+    ]
     graph = {name: set(imported(name, path, known)) - {name} for name, path in known.items()}
-    found = []
     for name, targets in sorted(graph.items()):
         for target in sorted(targets):
             if target not in known:
@@ -179,6 +226,21 @@ def plant(root: Path, module: str, line: str) -> None:
             "from . import gone",
             "run.ddp imports run.gone, which the package does not have",
         ),
+        (
+            "config/validate.py",
+            "def refused():\n    sys.exit(2)",
+            "config.validate:",
+        ),
+        (
+            "run/rundir.py",
+            "def refused(world):\n    exit_with_error('config error: x', world)",
+            "run.rundir:",
+        ),
+        (
+            "record/perf.py",
+            "def corrupt():\n    raise SystemExit('wrong values')",
+            "record.perf:",
+        ),
     ],
     ids=[
         "wing-upward",
@@ -188,6 +250,9 @@ def plant(root: Path, module: str, line: str) -> None:
         "command",
         "cycle",
         "missing",
+        "exit-in-a-helper",
+        "exit-with-error-outside-a-callback",
+        "system-exit",
     ],
 )
 def test_a_planted_break_is_named(planted, module, line, said):
