@@ -61,7 +61,10 @@ class Heartbeat:
             running = sorted(self.running.items(), key=lambda item: item[1])
         so_far = f"{ended} test(s) ended in {self.every_s:.0f} s; " if ended else ""
         if not running:
-            return f"[heartbeat] {so_far or f'no test has ended for {self.every_s:.0f} s; '}between tests"
+            return (
+                f"[heartbeat] {so_far or f'no test has ended for {self.every_s:.0f} s; '}"
+                "between tests"
+            )
         shown = ", ".join(f"{nodeid} ({now - started:.0f} s)" for nodeid, started in running[:4])
         more = f" and {len(running) - 4} more" if len(running) > 4 else ""
         return f"[heartbeat] {so_far}still running: {shown}{more}"

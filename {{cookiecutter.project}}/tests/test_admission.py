@@ -56,7 +56,8 @@ def longest_pod_names(workload: dict) -> list[str]:
         return [f"{name}-{completions - 1}-abcde" if completions > 1 else f"{name}-abcde"]
     if workload["kind"] == "JobSet":
         return [
-            f"{name}-{r['name']}-{r['replicas'] - 1}-{r['template']['spec'].get('completions', 1) - 1}-abcde"
+            f"{name}-{r['name']}-{r['replicas'] - 1}-"
+            f"{r['template']['spec'].get('completions', 1) - 1}-abcde"
             for r in spec["replicatedJobs"]
         ]
     if workload["kind"] == "TrainJob":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import PACKAGE
 
 from ddp_project import PROJECT
 from ddp_project.k8s import apply, meta
@@ -185,20 +186,22 @@ def test_a_podsecurity_warning_on_the_dry_run_refuses_and_deletes_nothing(folder
     log = tmp_path / "calls"
     (tmp_path / "kubectl").write_text(
         f'#!/bin/sh\necho "$@" >> {log}\ncat >/dev/null\n'
-        "echo 'Warning: would violate PodSecurity \"restricted:latest\": unrestricted capabilities' >&2\n"
+        'echo \'Warning: would violate PodSecurity "restricted:latest": '
+        "unrestricted capabilities' >&2\n"
     )
     assert apply.main(folder) == 1
     assert capsys.readouterr().err == (
         "make k8s-apply: the server refuses k8s/, so the running job is left as it is: job.yaml: "
-        'kubectl apply: the server would refuse its pods: would violate PodSecurity "restricted:latest": '
-        "unrestricted capabilities\n"
+        "kubectl apply: the server would refuse its pods: would violate PodSecurity "
+        '"restricted:latest": unrestricted capabilities\n'
     )
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["apply"]
 
 
 def test_the_error_line_is_the_servers_cause_not_kubectls_dump_after_it():
     stderr = (
-        'The PersistentVolumeClaim "p-runs-rwo" is invalid: spec: Forbidden: spec is immutable after creation\n'
+        'The PersistentVolumeClaim "p-runs-rwo" is invalid: spec: Forbidden: spec is immutable '
+        "after creation\n"
         "  core.PersistentVolumeClaimSpec{\n"
         '        "DataSourceRef": null,\n'
         "  }\n"
@@ -206,10 +209,14 @@ def test_the_error_line_is_the_servers_cause_not_kubectls_dump_after_it():
     assert apply.cause(stderr, 1).startswith(
         'The PersistentVolumeClaim "p-runs-rwo" is invalid: spec: Forbidden'
     )
-    said = 'Error from server (Forbidden): error when creating "STDIN": pods "p" is forbidden: violates\n  }\n'
+    said = (
+        'Error from server (Forbidden): error when creating "STDIN": pods "p" is forbidden: '
+        "violates\n  }\n"
+    )
     assert (
         apply.cause(said, 1)
-        == 'Error from server (Forbidden): error when creating "STDIN": pods "p" is forbidden: violates'
+        == 'Error from server (Forbidden): error when creating "STDIN": pods "p" is forbidden: '
+        "violates"
     )
     assert apply.cause("error: unknown flag\n", 1) == "error: unknown flag"
 
@@ -236,8 +243,8 @@ def test_only_what_carries_all_the_projects_labels_is_deleted(folder, monkeypatc
     assert deleted == [f"job/{NAME}", f"service/{NAME}"]
     out = capsys.readouterr().out
     assert (
-        f"waiting for job/{NAME}'s pods to stop (their grace period is 90 s)...\ndeleted job/{NAME}\n"
-        in out
+        f"waiting for job/{NAME}'s pods to stop (their grace period is 90 s)...\n"
+        f"deleted job/{NAME}\n" in out
     )
     assert all(
         f"--timeout={90 + apply.DELETE_SLACK_S}s" in call
@@ -262,12 +269,12 @@ def test_this_projects_job_under_an_earlier_name_or_namespace_is_named_and_kept(
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if "is this project's training job too" in line]
     assert notes == [
-        f"note: Job/old in {NAMESPACE} is this project's training job too, under an earlier deploy.name or "
-        "deploy.namespace, and keeps running with its GPUs (its checkpoints: old-runs-rwo): "
-        f"kubectl delete -n {NAMESPACE} job/old stops it",
-        f"note: Job/{NAME} in elsewhere is this project's training job too, under an earlier deploy.name or "
-        f"deploy.namespace, and keeps running with its GPUs (its checkpoints: {NAME}-runs-rwo): "
-        f"kubectl delete -n elsewhere job/{NAME} stops it",
+        f"note: Job/old in {NAMESPACE} is this project's training job too, under an earlier "
+        "deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: "
+        f"old-runs-rwo): kubectl delete -n {NAMESPACE} job/old stops it",
+        f"note: Job/{NAME} in elsewhere is this project's training job too, under an earlier "
+        "deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: "
+        f"{NAME}-runs-rwo): kubectl delete -n elsewhere job/{NAME} stops it",
     ], out
     assert "could not be listed" not in out
     assert [call[1:4] for call in fake.calls if call[0] == "delete"] == [
@@ -290,8 +297,9 @@ def test_where_every_namespace_cannot_be_listed_the_jobs_own_is_and_the_note_say
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     assert (
-        f"other namespaces could not be listed; a job of an earlier deploy.namespace keeps running: "
-        f"kubectl get jobs.batch,jobsets.jobset.x-k8s.io,pytorchjobs.kubeflow.org,trainjobs.trainer.kubeflow.org "
+        "other namespaces could not be listed; a job of an earlier deploy.namespace keeps "
+        "running: kubectl get jobs.batch,jobsets.jobset.x-k8s.io,pytorchjobs.kubeflow.org,"
+        "trainjobs.trainer.kubeflow.org "
         f"-A -l {meta.PART_OF_LABEL}={PROJECT},{meta.COMPONENT_LABEL}=training lists them"
     ) in out, out
 
@@ -320,8 +328,8 @@ def test_a_new_claim_is_named_in_a_note(folder, monkeypatch, capsys):
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     assert (
-        f"note: the runs claim changes from {NAME}-runs-rwx to {NAME}-runs-rwo: the new run starts from step 0"
-        in out
+        f"note: the runs claim changes from {NAME}-runs-rwx to {NAME}-runs-rwo: "
+        "the new run starts from step 0" in out
     )
     assert f"deploy.runs_claim={NAME}-runs-rwx" in out
 
@@ -362,7 +370,7 @@ def test_files_the_renderer_did_not_write_are_named_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err and err.endswith("nothing was changed\n"), err
     assert err.startswith(
-        f"make k8s-apply: {folder}/ holds what python -m ddp_project.k8s does not write: "
+        f"make k8s-apply: {folder}/ holds what python -m {PACKAGE}.k8s does not write: "
     )
     assert fake.calls == []
 

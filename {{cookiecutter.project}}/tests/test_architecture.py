@@ -4,8 +4,8 @@ only a command (or a Hydra callback, where Hydra hands train control) ends the p
 
     python -m pytest tests/test_architecture.py     # after moving a module, or adding an import
 
-Read from the source with ast, every import counted, those inside functions too: what a reader has to
-trace, whether or not it runs at import time.
+Read from the source with ast, every import counted, those inside functions too: what a reader has
+to trace, whether or not it runs at import time.
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ def test_a_token_file_of_the_wrong_size_is_one_line(tmp_path, content, message):
 def test_an_id_outside_the_vocabulary_is_named_with_where_it_is(tmp_path):
     path = tokens(tmp_path / "t.bin", [*range(50), 300, 7])
     assert problem(path, "data.vocab_size=256") == (
-        f"data.path={path}: holds token id 300 (token 50 of the file), not below data.vocab_size=256; "
-        f"raise data.vocab_size to 301, or check that the file holds uint16 tokens "
-        f"(make one with python -m {PACKAGE}.data TEXT OUT)"
+        f"data.path={path}: holds token id 300 (token 50 of the file), not below "
+        "data.vocab_size=256; raise data.vocab_size to 301, or check that the file holds uint16 "
+        f"tokens (make one with python -m {PACKAGE}.data TEXT OUT)"
     )
     assert problem(path, "data.vocab_size=300").startswith(f"data.path={path}: holds token id 300")
     assert problem(path, "data.vocab_size=301") is None

@@ -62,7 +62,8 @@ def test_doctor_text_report_names_the_checks(doctor_run, monkeypatch, capsys):
 
 # Real torchrun output, frames inside torch cut: on CPU (torch 2.13, gloo, 2 processes: rank 1
 # fails, rank 0 fails as a consequence) and on one H200 (torch 2.11, NCCL 2.28.9: two processes on
-# one GPU; one process with NCCL_SOCKET_IFNAME=nope). torchrun's summary names no cause.
+# one GPU; one process with NCCL_SOCKET_IFNAME=nope). torchrun's summary names no cause. Its lines
+# are kept as long as torchrun wrote them (noqa: E501).
 TORCHRUN_FAILURES = {
     "gloo_init": (
         r"""
@@ -102,8 +103,10 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-""",
-        "rank 1: RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/device.cc:84] ifa != nullptr. Unable to find address for: nope",
+""",  # noqa: E501
+        "rank 1: RuntimeError: [enforce fail at "
+        "/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/device.cc:84] ifa != nullptr. "
+        "Unable to find address for: nope",
     ),
     "exception": (
         r"""
@@ -141,8 +144,9 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-""",
-        "rank 1: RuntimeError: inconsistent tensor size, expected tensor [2] and src [3] to have the same number of elements, but got 2 and 3 elements respectively",
+""",  # noqa: E501
+        "rank 1: RuntimeError: inconsistent tensor size, expected tensor [2] and src [3] to have "
+        "the same number of elements, but got 2 and 3 elements respectively",
     ),
     "system_exit": (
         r"""
@@ -178,7 +182,7 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-""",
+""",  # noqa: E501
         "rank 1 exited with 1: all-reduce returned wrong values: data corruption",
     ),
     "sigkill": (
@@ -214,7 +218,7 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 9 (SIGKILL) received by PID 8205
 ======================================================
-""",
+""",  # noqa: E501
         "rank 1 was killed by SIGKILL",
     ),
     "cuda_two_ranks_on_one_gpu": (
@@ -256,7 +260,7 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-""",
+""",  # noqa: E501
         "rank 1: torch.AcceleratorError: CUDA error: invalid device ordinal",
     ),
     "nccl_init": (
@@ -286,8 +290,10 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
-""",
-        "rank 0: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3135, invalid usage (run with NCCL_DEBUG=WARN for d ... Last error: Bootstrap : no socket interface found",
+""",  # noqa: E501
+        "rank 0: torch.distributed.DistBackendError: NCCL error in: "
+        "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3135, invalid usage "
+        "(run with NCCL_DEBUG=WARN for d ... Last error: Bootstrap : no socket interface found",
     ),
 }
 

@@ -363,9 +363,9 @@ def test_a_checkpoint_records_its_options_and_one_without_is_read_by_its_keys(tr
         (
             None,
             ["data=tokens"],
-            "data=tokens: its keys (batch_size, num_samples, num_workers, "
-            "on_device, path, pin_memory, seq_len, vocab_size) are not the checkpoint's (batch_size, "
-            "num_classes, num_features, num_samples, num_workers, on_device, pin_memory)",
+            "data=tokens: its keys (batch_size, num_samples, num_workers, on_device, path, "
+            "pin_memory, seq_len, vocab_size) are not the checkpoint's (batch_size, num_classes, "
+            "num_features, num_samples, num_workers, on_device, pin_memory)",
         ),
     ],
 )

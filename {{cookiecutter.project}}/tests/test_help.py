@@ -19,8 +19,9 @@ MAIN = re.compile(r'^if __name__ == "__main__"', re.MULTILINE)
 
 def module_commands() -> dict[str, tuple[str, ...]]:
     """Every `python -m <module>` of the package: each module that runs as a script
-    (src/ddp_project/k8s/__main__.py is `python -m <package>.k8s`), with the flags to ask it: argparse reads -h
-    as --help, so -h is asked of the others only (each answer costs a process and its imports)."""
+    (src/ddp_project/k8s/__main__.py is `python -m <package>.k8s`), with the
+    flags to ask it: argparse reads -h as --help, so -h is asked of the others only (each answer
+    costs a process and its imports)."""
     found = {}
     for path in sorted(SOURCE.rglob("*.py")):
         text = path.read_text()
@@ -54,7 +55,11 @@ for name, (module, argv, cwd) in json.loads(sys.argv[1]).items():
     os.chdir(cwd)
     sys.argv = argv
     out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -143,7 +143,8 @@ BAD = [
     ),
     (
         "deploy.tolerations=[{key:gpu,effct:NoSchedule}]",
-        "deploy.tolerations[0].effct: no such key; did you mean deploy.tolerations[0].effect? allowed: key,",
+        "deploy.tolerations[0].effct: no such key; did you mean deploy.tolerations[0].effect? "
+        "allowed: key,",
     ),
     ("+deploy.node_selector.zone_=a", "deploy.node_selector.zone_: must be a label key"),
     ("+deploy.node_selector={zone:a/b}", "deploy.node_selector.zone=a/b: must be a label value"),
@@ -163,7 +164,8 @@ BAD = [
     ("deploy.priority_class=High", "deploy.priority_class=High: must be null or a PriorityClass"),
     (
         "deploy.env={WANDB_API_KEY:abc}",
-        "deploy.env.WANDB_API_KEY: looks like a secret, which k8s/ and the logs would hold in the clear; name it from a Secret instead: deploy.secret_env.WANDB_API_KEY=<secret>/<key>",
+        "deploy.env.WANDB_API_KEY: looks like a secret, which k8s/ and the logs would hold in the "
+        "clear; name it from a Secret instead: deploy.secret_env.WANDB_API_KEY=<secret>/<key>",
     ),
     (
         "deploy.env={NCCL_DEBUG:INFO}",
@@ -188,7 +190,8 @@ BAD = [
     ),
     (
         "nccl.env.WANDB_API_KEY=x",
-        "nccl.env.WANDB_API_KEY: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _); other variables: deploy.env, or deploy.secret_env for a secret",
+        "nccl.env.WANDB_API_KEY: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names "
+        "(A-Z, 0-9, _); other variables: deploy.env, or deploy.secret_env for a secret",
     ),
     (
         "deploy.flavor=trainjob deploy.priority_class=high",
@@ -221,7 +224,8 @@ BAD = [
         "deploy.lost_node_s: Value '[]' of type 'list' could not be converted",
     ),
     (
-        "deploy.tolerations=[{key:node.kubernetes.io/not-ready,operator:Exists,effect:NoExecute,tolerationSeconds:5}]",
+        "deploy.tolerations=[{key:node.kubernetes.io/not-ready,operator:Exists,effect:NoExecute,"
+        "tolerationSeconds:5}]",
         "deploy.tolerations[0].key=node.kubernetes.io/not-ready: set deploy.lost_node_s instead",
     ),
 ]
@@ -335,8 +339,8 @@ def test_an_override_that_configs_local_shadows_is_refused_in_one_line(tmp_path)
         done = subprocess.run([*command, override], cwd=project, capture_output=True, text=True)
         assert done.returncode == 2
         assert done.stderr == (
-            f"error: {override}: configs/local/default.yaml sets {shadow} too, which wins over {path}: "
-            "change it there; nothing was written\n"
+            f"error: {override}: configs/local/default.yaml sets {shadow} too, "
+            f"which wins over {path}: change it there; nothing was written\n"
         )
         assert {p: p.read_text() for p in (project / "configs").rglob("*.yaml")} == configs
         assert not (project / "k8s").exists()
@@ -351,7 +355,10 @@ def test_rendering_needs_neither_torch_nor_this_machines_gpus(tmp_path, monkeypa
     """k8s/ is rendered on a laptop or in CI for a GPU cluster: no torch import, no GPU check."""
     out = tmp_path / "k8s"
     blocked = "import sys; sys.modules['torch'] = None"  # `import torch` raises from here on
-    script = f"{blocked}; from {PACKAGE}.k8s.__main__ import main; sys.argv[1:] = ['--force', '--out', {str(out)!r}]; sys.exit(main())"
+    script = (
+        f"{blocked}; from {PACKAGE}.k8s.__main__ import main; "
+        f"sys.argv[1:] = ['--force', '--out', {str(out)!r}]; sys.exit(main())"
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True
     )
@@ -491,7 +498,8 @@ def test_env_and_secrets_reach_the_trainer_on_every_flavor_and_no_secret_value_i
         compose_train,
         f"deploy.flavor={flavor}",
         *trainjob,
-        "deploy.env={WANDB_PROJECT:vision,MLFLOW_TRACKING_URI:'http://mlflow:5000',WANDB_SILENT:true}",
+        "deploy.env={WANDB_PROJECT:vision,MLFLOW_TRACKING_URI:'http://mlflow:5000',"
+        "WANDB_SILENT:true}",
         "deploy.secret_env={WANDB_API_KEY:wandb/api-key,MLFLOW_TRACKING_TOKEN:mlflow/token}",
     )
     env = trainer_container(flavor, found[f"{flavor}.yaml"])["env"]
@@ -522,8 +530,9 @@ def test_scheduling_values_land_where_each_controller_reads_them(compose_train, 
         "deploy.tolerations=[{key:nvidia.com/gpu,operator:Exists,effect:NoSchedule}]",
         "+deploy.node_selector={nvidia.com/gpu.product:H100}",
         "deploy.active_deadline_s=3600",
-        "deploy.affinity.nodeAffinity={requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: "
-        "[{matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [a]}]}]}}",
+        "deploy.affinity.nodeAffinity={requiredDuringSchedulingIgnoredDuringExecution: "
+        "{nodeSelectorTerms: [{matchExpressions: "
+        "[{key: topology.kubernetes.io/zone, operator: In, values: [a]}]}]}}",
         "deploy.one_pod_per_node=true",
         "deploy.image_pull_secrets=[ghcr-pull]",
         "deploy.guaranteed=true",
@@ -614,7 +623,8 @@ def test_a_lost_node_evicts_every_flavors_pods_after_deploy_lost_node_s(compose_
     # First: the taint eviction controller takes the first toleration that matches a taint
     # (k8s.io/api/core/v1 helper GetMatchingTolerations), and a wildcard matches every taint.
     wildcard = (
-        "deploy.tolerations=[{operator:Exists},{key:node.kubernetes.io/unreachable,operator:Exists,effect:NoSchedule}]",
+        "deploy.tolerations=[{operator:Exists},"
+        "{key:node.kubernetes.io/unreachable,operator:Exists,effect:NoSchedule}]",
     )
     pod, _ = pod_and_workload(
         objects(compose_train, *several, "deploy.lost_node_s=15", *wildcard), flavor
@@ -663,7 +673,8 @@ HEADERS = {
     },
     "trainjob": {
         "trainjob.yaml": [
-            "# Needs Kubeflow Trainer v2 (trainer.kubeflow.org) and its torch-distributed ClusterTrainingRuntime.",
+            "# Needs Kubeflow Trainer v2 (trainer.kubeflow.org) and its torch-distributed "
+            "ClusterTrainingRuntime.",
             "# The runtime decides the retries and keeps finished jobs (deploy.backoff_limit and "
             "deploy.ttl_after_finished_s do not apply).",
             FOLLOW,
@@ -687,7 +698,10 @@ def test_each_file_says_what_it_holds_and_what_its_controller_needs(compose_trai
         "deploy.runs_access_mode=ReadWriteMany",
         *(["deploy.rdzv_port=29500"] if flavor == "trainjob" else []),
     )
-    generated = f"# Generated by `python -m {PACKAGE}.k8s` from configs/ (deploy, nccl): edit those, regenerate."
+    generated = (
+        f"# Generated by `python -m {PACKAGE}.k8s` from configs/ (deploy, nccl): "
+        "edit those, regenerate."
+    )
     shape = "# 2 pods, one per node, each with 2 GPUs and one torchrun; 4 processes in all."
     claim = "# Storage for run dirs (logs, metrics, checkpoints) that outlives any one pod."
     expected = {"runs-pvc.yaml": [claim]}
@@ -802,9 +816,10 @@ def test_a_queue_label_kueue_may_not_read_is_named(compose_train, flavor):
         None
         if opt_in is None
         else (
-            f"note: deploy.queue=team-a: Kueue manages a {FLAVORS[flavor].kind} only where the platform enabled "
-            f"its {opt_in} integration (Kueue's Configuration, integrations.frameworks); elsewhere the queue "
-            "label does nothing and the pods start unadmitted"
+            f"note: deploy.queue=team-a: Kueue manages a {FLAVORS[flavor].kind} only where the "
+            f"platform enabled its {opt_in} integration (Kueue's Configuration, "
+            "integrations.frameworks); elsewhere the queue label does nothing and the pods "
+            "start unadmitted"
         )
     )
     several = deploy_of(
@@ -826,7 +841,8 @@ def test_apply_without_kubectl_or_manifests_is_one_line(tmp_path, monkeypatch, c
     (tmp_path / "kubectl").chmod(0o755)
     assert apply.main(tmp_path / "k8s") == 1
     assert capsys.readouterr().err == (
-        f"make k8s-apply: {tmp_path / 'k8s'}/ holds no manifests: python -m {PACKAGE}.k8s writes them\n"
+        f"make k8s-apply: {tmp_path / 'k8s'}/ holds no manifests: "
+        f"python -m {PACKAGE}.k8s writes them\n"
     )
 
 
@@ -848,7 +864,10 @@ NO_HOST = (
     "gpu.example.invalid on 10.0.0.53:53: no such host; if you choose to ignore these errors, "
     "turn validation off with --validate=false"
 )
-POINT_IT = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
+POINT_IT = (
+    "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, "
+    "or kubectl config use-context <name>"
+)
 REACHED_NONE = [
     (
         REFUSED_AT.format(server="https://127.0.0.1:1", address="127.0.0.1:1"),
@@ -918,7 +937,8 @@ def test_kubectl_without_a_kubeconfig_is_told_so(kubeconfig, tmp_path, monkeypat
     (tmp_path / "missing").write_text("apiVersion: v1\n")  # a kubeconfig whose server is 8080
     monkeypatch.setattr(apply, "current_context", lambda: None)
     assert apply.no_server_reached(said) == (
-        f"no API server reachable at http://localhost:8080 (connection refused); start it, or {POINT_IT}"
+        "no API server reachable at http://localhost:8080 (connection refused); "
+        f"start it, or {POINT_IT}"
     )
 
 
@@ -1076,7 +1096,8 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
     monkeypatch.setattr(apply, "kubectl", refusing)
     assert apply.main(folder) == 1
     assert capsys.readouterr().err == (
-        f"make k8s-apply: kubectl apply: Unauthorized; {folder}/ may be partly applied: run make k8s-apply again\n"
+        f"make k8s-apply: kubectl apply: Unauthorized; {folder}/ may be partly applied: "
+        "run make k8s-apply again\n"
     )
 
 

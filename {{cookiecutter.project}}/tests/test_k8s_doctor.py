@@ -167,7 +167,8 @@ def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
     python_only = str(Path(sys.executable).parent)
     done = doctor_cli(path=python_only)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        f"make k8s-doctor: kubectl is not on PATH; python -m {PACKAGE}.k8s.doctor --print writes the manifests"
+        "make k8s-doctor: kubectl is not on PATH; "
+        f"python -m {PACKAGE}.k8s.doctor --print writes the manifests"
     ]
     if not os.access("/usr/local/bin/kubectl", os.X_OK) and not any(
         Path(p, "kubectl").is_file() for p in os.environ["PATH"].split(os.pathsep)
@@ -236,7 +237,8 @@ def test_k8s_doctor_without_kubectl_or_a_cluster_is_one_line(tmp_path):
         ),
         (
             ["--training-vars", "LD_PRELOAD"],
-            "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; got 'LD_PRELOAD'",
+            "argument --training-vars: must name an NCCL_*, TORCH_NCCL_* or GLOO_* variable; "
+            "got 'LD_PRELOAD'",
         ),
         (["--training-profile", "fast"], "argument --training-profile: invalid choice: 'fast'"),
         (
@@ -412,7 +414,8 @@ def test_a_node_whose_node_0_never_comes_says_so_in_one_line():
     out, err = node.communicate(timeout=60)
     assert node.returncode == 1 and out == "", out + err
     assert err.startswith(
-        f"{PACKAGE}.doctor: node 1: the doctors of 2 nodes did not meet at localhost:{port} within 2 s"
+        f"{PACKAGE}.doctor: node 1: the doctors of 2 nodes did not meet "
+        f"at localhost:{port} within 2 s"
     )
     assert len(err.splitlines()) == 1 and err.rstrip().endswith(
         "do not start training: the nodes could not all-reduce together"

@@ -82,7 +82,8 @@ BAD = [
     ),
     (
         "logger.wandb.mode=online",
-        "logger.wandb.mode=online: wandb is not among the chosen loggers; choose it as well, e.g. logger=[tensorboard,wandb]",
+        "logger.wandb.mode=online: wandb is not among the chosen loggers; choose it as well, "
+        "e.g. logger=[tensorboard,wandb]",
     ),
     (
         "logger=wandb logger.wandb.mode=loud",
@@ -90,7 +91,8 @@ BAD = [
     ),
     (
         "logger=wandb logger.wandb.project=",
-        "logger.wandb.project='': must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
+        "logger.wandb.project='': must be null (this project's name) or a name of 1 to 128 "
+        "characters without / \\ # ? % :",
     ),
     ("logger=wandb logger.wandb.project=team/run", "logger.wandb.project='team/run': must be null"),
     (f"logger=wandb logger.wandb.project={'p' * 129}", "logger.wandb.project='ppp"),
@@ -104,11 +106,13 @@ BAD = [
     ),
     (
         "logger=mlflow logger.mlflow.experiment=''",
-        "logger.mlflow.experiment='': must be null (this project's name) or a name that is not blank",
+        "logger.mlflow.experiment='': must be null (this project's name) "
+        "or a name that is not blank",
     ),
     (
         "logger=mlflow logger.mlflow.tracking_uri=mlflow:5000",
-        "logger.mlflow.tracking_uri=mlflow:5000: mlflow scheme; use http(s)://host:port for a server, file:/absolute/path for a folder, or null for a file store in the run dir",
+        "logger.mlflow.tracking_uri=mlflow:5000: mlflow scheme; use http(s)://host:port for a "
+        "server, file:/absolute/path for a folder, or null for a file store in the run dir",
     ),
     (
         "logger=mlflow logger.mlflow.tracking_uri=ftp://host/x",
@@ -128,7 +132,8 @@ BAD = [
     ),
     (
         "logger=mlflow logger.mlflow.tracking_uri=http://host:port",
-        "logger.mlflow.tracking_uri=http://host:port: Port could not be cast to integer value as 'port'; use",
+        "logger.mlflow.tracking_uri=http://host:port: "
+        "Port could not be cast to integer value as 'port'; use",
     ),
     (
         "logger=mlflow logger.mlflow.tracking_uri=http://host:70000",

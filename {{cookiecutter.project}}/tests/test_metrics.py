@@ -37,7 +37,8 @@ BAR = "━"  # rich's bar
 # fixtures), and copy it where they change it.
 
 # Installed as sitecustomize: notes what the W&B run is given, then logs it for real, in every
-# process that imports wandb (none that does not pays for its import): a call from rank 1 would show.
+# process that imports wandb (none that does not pays for its import): a call from rank 1
+# would show.
 RECORD_WANDB = """
 import importlib.abc, importlib.util, json, os, sys
 

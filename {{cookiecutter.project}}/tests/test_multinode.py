@@ -86,7 +86,8 @@ def hosts_file(names: list[tuple[str, ...]], addresses: list[str]) -> str:
 
 @pytest.fixture(scope="session")  # not module: that would put these tests on one xdist worker
 def hosts() -> Iterator:
-    """hosts(names) -> one Host per node; names[i] are node i's hostname, then its other DNS names."""
+    """hosts(names) -> one Host per node; names[i] are node i's hostname, then its other
+    DNS names."""
     # Named per instance: a module that imports this fixture (test_k8s_doctor) gets an instance
     # of its own, beside this module's in the same process; reused names would fail `ip netns add`.
     instance = secrets.token_hex(2)
@@ -638,7 +639,9 @@ class _OnImport(importlib.abc.MetaPathFinder):
                     return _run(*args, **kwargs)
                 finally:
                     seconds = time.monotonic() - started
-                    with open(os.path.join(os.environ["LAUNCH_CLOCK"], str(os.getpid())), "w") as out:
+                    with open(
+                        os.path.join(os.environ["LAUNCH_CLOCK"], str(os.getpid())), "w"
+                    ) as out:
                         out.write(str(seconds))
 
             module.run = _timed_run
@@ -691,9 +694,10 @@ def test_a_pod_alone_past_deploy_rdzv_timeout_s_ends_in_one_line_naming_it(hosts
         host[0],
     ), host
     assert len(peer) == 1 and re.match(
-        rf"{COMMAND} train: could not reach the rendezvous at {COMMAND}-0.{COMMAND}:\d+ within 10 s "
-        r"\(--rdzv-conf read_timeout; deploy.rdzv_timeout_s in k8s/\): the node that hosts it "
-        r"\(pod 0\) has not started, or its port is closed to this node \(The client socket has timed out",
+        rf"{COMMAND} train: could not reach the rendezvous at {COMMAND}-0.{COMMAND}:\d+ "
+        r"within 10 s \(--rdzv-conf read_timeout; deploy.rdzv_timeout_s in k8s/\): the node that "
+        r"hosts it \(pod 0\) has not started, or its port is closed to this node "
+        r"\(The client socket has timed out",
         peer[0],
     ), peer
 

@@ -52,7 +52,8 @@ def test_the_pods_env_block_matches_the_default_nccl_profile(compose_train):
 
 
 def test_k8s_folder_is_a_fresh_render_of_the_config(compose_train):
-    """k8s/ is generated from configs/ (python -m ddp_project.k8s): edit the config, regenerate."""
+    """k8s/ is generated from configs/ (python -m ddp_project.k8s): edit the
+    config, regenerate."""
     cfg = compose_train()
     deploy = OmegaConf.to_container(cfg.deploy, enum_to_str=True)
     profile = OmegaConf.to_container(cfg.nccl, enum_to_str=True)
@@ -74,7 +75,11 @@ def test_k8s_overrides_are_written_to_configs_and_check_shows_the_difference(tmp
         ROOT, project, ignore=shutil.ignore_patterns(".venv", "outputs", "*.egg-info", "build")
     )
     deploy_file = project / "configs" / "deploy" / "default.yaml"
-    block = "tolerations:            # GPU nodes' taint\n  - key: nvidia.com/gpu\n    operator: Exists\n"
+    block = (
+        "tolerations:            # GPU nodes' taint\n"
+        "  - key: nvidia.com/gpu\n"
+        "    operator: Exists\n"
+    )
     deploy_file.write_text(re.sub(r"(?m)^tolerations: .*\n", block, deploy_file.read_text()))
     configs = {p: p.read_text() for p in (project / "configs").rglob("*.yaml")}
     command = [sys.executable, "-m", f"{PACKAGE}.k8s"]

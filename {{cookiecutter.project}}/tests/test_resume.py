@@ -141,11 +141,11 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_pr
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
-        "config error: hydra.run.dir=run resumes from step_000000080.pt: the checkpoint's global batch is 256 "
-        "samples (2 process(es) × data.batch_size 128 × trainer.grad_accumulation 1); 3 process(es) "
-        "cannot make 256 from data.batch_size 128: resume on 1, 2 process(es) to keep it, or add "
-        "trainer.accept_changes=[data.batch_size] to train on with another global batch, or choose "
-        "another hydra.run.dir"
+        "config error: hydra.run.dir=run resumes from step_000000080.pt: the checkpoint's global "
+        "batch is 256 samples (2 process(es) × data.batch_size 128 × trainer.grad_accumulation "
+        "1); 3 process(es) cannot make 256 from data.batch_size 128: resume on 1, 2 process(es) "
+        "to keep it, or add trainer.accept_changes=[data.batch_size] to train on with another "
+        "global batch, or choose another hydra.run.dir"
     ]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
         p.name for p in kept.iterdir()
@@ -171,13 +171,13 @@ def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept)
     assert rundir.resume_problem(kept, accepted, two) is None
 
 
-# Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop
-# ends) lands in STOP_RECORDS/exit<rank>, and the CPU seconds it had used then in cpu<rank>. With SLOW_RANK_1_INIT, rank 1 sleeps before
-# init_process_group while rank 0 waits for it there, in C; with SLOW_RANK_1_RESUME, after
-# loading the checkpoint, while rank 0 waits in the exchange before the first step; with
-# SLOW_FIRST_STEP, every rank's first step takes 60 s, as torch.compile's may. Each marks
-# waiting<rank> on the way. With FAIL_SECOND_WRITE, rank 0's second checkpoint write fails as
-# on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more; with
+# Installed as sitecustomize in the workers: each rank's exit code (os._exit: the ways a stop ends)
+# lands in STOP_RECORDS/exit<rank>, and the CPU seconds it had used then in cpu<rank>. With
+# SLOW_RANK_1_INIT, rank 1 sleeps before init_process_group while rank 0 waits for it there, in C;
+# with SLOW_RANK_1_RESUME, after loading the checkpoint, while rank 0 waits in the exchange before
+# the first step; with SLOW_FIRST_STEP, every rank's first step takes 60 s, as torch.compile's may.
+# Each marks waiting<rank> on the way. With FAIL_SECOND_WRITE, rank 0's second checkpoint write
+# fails as on a full disk; with SLOW_SAVE_S, every torch.save takes that many seconds more; with
 # HOLD_WRITES_UNTIL_STOP, each waits until a stop's save has begun (saving marks the first). With
 # PAUSE_RANK_1_AFTER_STEP, rank 1 marks paused1 once that step's checkpoint is written and sleeps.
 STOP_HOOK = """
@@ -455,7 +455,10 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     stop.check(figure, 143, output, time.monotonic() - stop.signalled)
-    line = f"SIGTERM: stopped before the first step, nothing new to save; to go on, relaunch with hydra.run.dir={tmp_path / 'run'}"
+    line = (
+        "SIGTERM: stopped before the first step, nothing new to save; "
+        f"to go on, relaunch with hydra.run.dir={tmp_path / 'run'}"
+    )
     assert output.count("SIGTERM: stopped") == 1 and line in output, output[-3000:]
     assert output.count("Traceback") <= 1 and "A collective failed" not in output  # torchrun's
 
@@ -465,11 +468,11 @@ def test_a_stop_signal_before_the_first_step_ends_every_rank_at_once(
 def test_a_slow_checkpoint_write_is_waited_for_and_a_full_disk_is_rank_0s_one_line(
     tmp_path, stop_hook
 ):
-    """Rank 0 writes step 10's checkpoint for 14 s under dist.timeout_s=8 (not less: it bounds gloo's
-    connection setup too, which a loaded machine can stretch past 3 s): the others wait on the
-    CPU group, with no collective pending and the stall watchdog paused, and training goes on
-    to step 20, whose write fails as on a full disk: rank 0 says so in one line, exits 5, and
-    no rank blames a collective."""
+    """Rank 0 writes step 10's checkpoint for 14 s under dist.timeout_s=8 (not less: it bounds
+    gloo's connection setup too, which a loaded machine can stretch past 3 s): the others wait on
+    the CPU group, with no collective pending and the stall watchdog paused, and training goes on to
+    step 20, whose write fails as on a full disk: rank 0 says so in one line, exits 5, and no rank
+    blames a collective."""
     env, _ = stop_hook
     done = torchrun(
         tmp_path,

@@ -105,7 +105,9 @@ from ddp_project.launcher.store_liveness import StoreLiveness
 host, port = sys.argv[1], int(sys.argv[2])
 sock = socket.create_connection((host, port), timeout=30)
 other = socket.create_connection((host, port + 1))  # another service of that host: not bounded
-with StoreLiveness(port, give_up_s=4, say=lambda line: print(line, flush=True), interval_s=0.2, line_every_s=1):
+with StoreLiveness(
+    port, give_up_s=4, say=lambda line: print(line, flush=True), interval_s=0.2, line_every_s=1
+):
     print("connected", flush=True)
     while True:
         try:
@@ -114,10 +116,16 @@ with StoreLiveness(port, give_up_s=4, say=lambda line: print(line, flush=True), 
                 print("closed by the host", flush=True)
                 break
         except OSError as err:  # the kernel's error; Python's own timeout has no errno
-            print(f"given up: {err.strerror}" if err.errno else "still waiting after 30 s", flush=True)
+            print(
+                f"given up: {err.strerror}" if err.errno else "still waiting after 30 s", flush=True
+            )
             break
         time.sleep(0.1)
-print("another port's connection bounded at", other.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT), "ms")
+print(
+    "another port's connection bounded at",
+    other.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+    "ms",
+)
 """
 SERVER = """
 import socket, sys

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-import ddp_project.data  # noqa: F401  (the options' builders, as train imports them)
+# The options' builders, as train imports them.
+import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
 from ddp_project.core.world import World
 from ddp_project.record import metrics

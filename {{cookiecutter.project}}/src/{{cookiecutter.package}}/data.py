@@ -3,9 +3,10 @@
 data=synthetic: points labelled by a fixed random teacher, for model=mlp; data=tokens: token
 sequences for next-token prediction, for model=gpt, made from the seed or read from a token file
 (data.path). A model visibly learns either in a few hundred steps. Each has a held-out split
-that training never sees, for `python -m {{ cookiecutter.package }}.evaluate`.
+that training never sees, for `python -m {{ cookiecutter.package }}.evaluate`. A text file
+becomes a token file, one token per byte:
 
-    python -m {{ cookiecutter.package }}.data data/sample.txt data/sample.bin     # text -> a token file (bytes as tokens)
+    python -m {{ cookiecutter.package }}.data data/sample.txt data/sample.bin
 """
 
 import argparse

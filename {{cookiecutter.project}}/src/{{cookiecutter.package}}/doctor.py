@@ -1,7 +1,7 @@
 """Preflight for a node: what NCCL will find here, and which profile works fastest.
 
-    python -m {{ cookiecutter.package }}.doctor                    # report, then a recommendation
-    python -m {{ cookiecutter.package }}.doctor --json             # the same, for machines
+    python -m {{ cookiecutter.package }}.doctor           # report, then a recommendation
+    python -m {{ cookiecutter.package }}.doctor --json    # the same, for machines
     python -m {{ cookiecutter.package }}.doctor --profiles auto pcie_safe --timeout-s 120
 
 It prints the GPU links and a P2P matrix (what the driver claims, what a real peer copy does),
@@ -13,7 +13,8 @@ works, 1 when none does, 2 for a bad argument.
 
 Several nodes (`make k8s-doctor` runs this in an Indexed Job of the training pods' spec):
 
-    python -m {{ cookiecutter.package }}.doctor --nnodes 2 --node-rank 0 --master-addr localhost --master-port 29500 \\
+    python -m {{ cookiecutter.package }}.doctor --nnodes 2 --node-rank 0 \\
+        --master-addr localhost --master-port 29500 \\
         --training-profile auto --training-vars NCCL_IB_DISABLE
 
 Every node's doctor joins node 0's at --master-addr:--master-port; then, one profile at a time and
@@ -207,7 +208,8 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
         nproc = gpus or 2  # gloo on CPU: two processes share the cores
     if not gpus and nproc < 2:
         raise Refused(
-            f"--nproc {nproc}: without a GPU the doctor checks gloo between processes; use 2 or more"
+            f"--nproc {nproc}: without a GPU the doctor checks gloo between processes; "
+            "use 2 or more"
         )
     if gpus and nproc > gpus:
         raise Refused(
@@ -247,7 +249,8 @@ def diagnose(names: list[str], nproc: int | None, timeout_s: float) -> dict:
     report["recommended"] = best.profile if best else None
     if best and gpus:
         report["pin"] = (
-            f"- nccl: {best.profile}    # in the defaults list of configs/train.yaml; or override nccl={best.profile}"
+            f"- nccl: {best.profile}    # in the defaults list of configs/train.yaml; "
+            f"or override nccl={best.profile}"
         )
     return report
 
@@ -260,7 +263,8 @@ def render(report: dict) -> str:
     v = report["versions"]
     lines = [
         f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, driver {v['driver']}",
-        f"GPUs: {report['gpus']}, links from {report['links_from']}; testing with {report['nproc']} process{'es' if report['nproc'] > 1 else ''}",
+        f"GPUs: {report['gpus']}, links from {report['links_from']}; "
+        f"testing with {report['nproc']} process{'es' if report['nproc'] > 1 else ''}",
     ]
     if report["p2p"]:
         lines += ["", "P2P matrix       link     claimed  peer copy"]
@@ -295,7 +299,8 @@ def render(report: dict) -> str:
     if report.get("pin"):
         lines += [
             "",
-            f"Recommended: nccl={report['recommended']}, the fastest profile that works here. Pin it:",
+            f"Recommended: nccl={report['recommended']}, the fastest profile "
+            "that works here. Pin it:",
             f"  {report['pin']}",
         ]
         results = {
@@ -396,7 +401,10 @@ class Control:
                 raise NotJoined(
                     self.not_met("not every node came")
                     if key == "joined"
-                    else f"node {self.nodes.rank}: not every node reached {key} within {within_s:g} s"
+                    else (
+                        f"node {self.nodes.rank}: not every node reached {key} "
+                        f"within {within_s:g} s"
+                    )
                 )
             time.sleep(0.05)
 
@@ -505,12 +513,14 @@ def render_nodes(report: dict) -> str:
     count, nproc = report["nodes"], report["nproc"]
     lines = [
         f"torch {v['torch']}, CUDA {v['cuda']}, NCCL {v['nccl']}, driver {v['driver']}",
-        f"{count} node(s), {nproc} process(es) each: every all-reduce spans {count * nproc} process(es)",
+        f"{count} node(s), {nproc} process(es) each: "
+        f"every all-reduce spans {count * nproc} process(es)",
     ]
     for rank, node in enumerate(report["node_facts"]):
         shm = f"{node['shm'] / 2**20:.0f} MiB" if node["shm"] is not None else "unknown"
         lines.append(
-            f"  node {rank}: {node['gpus']} GPU(s), InfiniBand {node['ib']} active port(s), /dev/shm {shm}"
+            f"  node {rank}: {node['gpus']} GPU(s), InfiniBand {node['ib']} active port(s), "
+            f"/dev/shm {shm}"
         )
     if "note" in report:
         lines += ["", report["note"]]
@@ -606,7 +616,8 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     ]
     if missing:
         raise Refused(
-            f"--nnodes {args.nnodes}: {' and '.join(missing)} must say where node 0's doctor listens"
+            f"--nnodes {args.nnodes}: {' and '.join(missing)} must say "
+            "where node 0's doctor listens"
         )
     rank = args.node_rank or 0
     if rank >= args.nnodes:
@@ -699,13 +710,15 @@ def main() -> int:
     except NotJoined as err:
         parser.exit(
             Exit.FAILED,
-            f"{parser.prog}: {err}; do not start training: the nodes could not all-reduce together\n",
+            f"{parser.prog}: {err}; do not start training: "
+            "the nodes could not all-reduce together\n",
         )
     except KeyboardInterrupt:
         parser.exit(Exit.INTERRUPTED, f"{parser.prog}: {STOPPED}\n")
     if several is not None and several.rank > 0:
         print(
-            f"node {several.rank}: results sent to node 0, which prints the table; its verdict: exit {report['verdict']}"
+            f"node {several.rank}: results sent to node 0, which prints the table; "
+            f"its verdict: exit {report['verdict']}"
         )
         return report["verdict"]
     if args.json:

@@ -45,7 +45,8 @@ class Block(nn.Module):
     """Pre-norm, as GPT-2: causal self-attention, then a 4x-wide MLP, each added to the residual.
     Attention is one F.scaled_dot_product_attention call with is_causal=True: PyTorch's flash
     kernel on a GPU, no mask in memory. The nn.TransformerEncoder model it replaced took 1.10x as
-    long per step eager, 1.04x compiled, at gpt2_small's shape on an H200 (measured on the template's benchmarks)."""
+    long per step eager, 1.04x compiled, at gpt2_small's shape on an H200 (measured on the
+    template's benchmarks)."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -97,6 +98,6 @@ class Gpt(nn.Module):
 
 
 def build_model(cfg: Any, data: DataConfig) -> nn.Module:
-    """The model option's builder, given its schema and the data's. config.compose.ConfigCheck has made
-    sure the model and data options fit together (validate.check_combinations)."""
+    """The model option's builder, given its schema and the data's. config.compose.ConfigCheck has
+    made sure the model and data options fit together (validate.check_combinations)."""
     return builder_of(cfg)(cfg, data)

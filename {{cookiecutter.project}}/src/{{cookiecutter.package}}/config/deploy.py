@@ -37,7 +37,8 @@ class PullPolicy(Enum):
 @dataclass
 class DeployConfig:
     """What the k8s package renders into k8s/: the image, where it runs, the shape of the job and
-    what its pods ask of a node. k8s.checks.deploy_errors() checks the values; the hook uses it too."""
+    what its pods ask of a node. k8s.checks.deploy_errors() checks the values; the hook uses
+    it too."""
 
     name: str = MISSING
     image: str = MISSING

@@ -54,7 +54,8 @@ class WandbConfig:
             ),
             "logger.wandb.project",
             repr(project),
-            "must be null (this project's name) or a name of 1 to 128 characters without / \\ # ? % :",
+            "must be null (this project's name) or a name of 1 to 128 characters "
+            "without / \\ # ? % :",
         )
         require(
             self.entity is None or self.entity.strip() != "",

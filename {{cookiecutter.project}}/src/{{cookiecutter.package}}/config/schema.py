@@ -3,8 +3,8 @@ model and data options' schemas are in options.py, the marks on fields in marks.
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
 fails at compose time, naming the key. Checks that types cannot express live in __post_init__, and
-those of a whole config in validate.py; config.compose.ConfigCheck runs them all before Hydra creates the
-run dir.
+those of a whole config in validate.py; config.compose.ConfigCheck runs them all before Hydra
+creates the run dir.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class Schedule(Enum):  # the learning rate after warm-up: schedule.learning_rate
 
 
 class CheckpointFormat(Enum):
-    file = "file"  # one file by rank 0 (torch.save): the fastest on one node (gpt2_small on an H200: 0.05 s held up per checkpoint, dcp 0.9 s)
+    # One file by rank 0 (torch.save): the fastest on one node (gpt2_small on an H200:
+    # 0.05 s held up per checkpoint, dcp 0.9 s).
+    file = "file"
     dcp = "dcp"  # a folder every rank writes a share of (torch.distributed.checkpoint)
 
 
@@ -220,7 +222,8 @@ class NcclConfig:
     socket_ifname: Optional[str] = None
     debug: Optional[NcclDebug] = None
     debug_subsys: Optional[str] = None
-    # Any other NCCL_*, TORCH_NCCL_* or GLOO_* variable: nccl.env.NCCL_ALGO=Ring, nccl.env.GLOO_SOCKET_IFNAME=eth0 (null: leave it unset)
+    # Any other NCCL_*, TORCH_NCCL_* or GLOO_* variable: nccl.env.NCCL_ALGO=Ring,
+    # nccl.env.GLOO_SOCKET_IFNAME=eth0 (null: leave it unset)
     env: Dict[str, Optional[str]] = field(default_factory=dict)
     profile: Optional[str] = None  # the profile's name: each configs/nccl/<name>.yaml sets its own
 

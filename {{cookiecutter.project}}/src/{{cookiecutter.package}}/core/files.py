@@ -27,9 +27,9 @@ def partial_name(path: Path) -> Path:
 
 
 def stage(path: Path, content: Content, durable: bool = False, mode: int = 0o666) -> Path:
-    """`content` written whole to a new temp file beside `path`, which it returns; on a failure
-    the temp file is gone and the exception raised. A str is written as UTF-8; a callable is
-    handed the open binary file to write. mode: the new file's, less the umask, as open() makes it."""
+    """`content` written whole to a new temp file beside `path`, which it returns; on a failure the
+    temp file is gone and the exception raised. A str is written as UTF-8; a callable is handed the
+    open binary file to write. mode: the new file's, less the umask, as open() makes it."""
     while True:
         partial = partial_name(path)
         try:

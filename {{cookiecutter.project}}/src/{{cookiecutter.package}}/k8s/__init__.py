@@ -15,8 +15,10 @@ One concern per module, each importing only those above it:
 
     meta.py      labels, object metadata and quantities, which every object shares
     pods.py      the trainer container, torchrun's launch line, the pod spec, the runs claim
-    flavors.py   one builder per workload kind, in the table FLAVORS (a new flavor: a builder and an entry)
-    checks.py    the deploy group's values, refused in one line where the API server would refuse them
+    flavors.py   one builder per workload kind, in the table FLAVORS (a new flavor: a builder
+                 and an entry)
+    checks.py    the deploy group's values, refused in one line where the API server would
+                 refuse them
     render.py    k8s/'s files as text, and the notes printed beside them
     sync.py      k8s/ on disk: compared, diffed, or replaced all at once under a lock
     persist.py   overrides into configs/, keeping the YAML as its author wrote it (ruamel.yaml)
@@ -24,6 +26,6 @@ One concern per module, each importing only those above it:
     apply.py     make k8s-apply
     doctor.py    make k8s-doctor: the doctor's Job, from the same pods, beside the training job
 
-All but persist, __main__, apply and doctor need only the standard library and PyYAML: the template's
-post-generation hook renders the first k8s/ with them, before anything is installed.
-"""
+All but persist, __main__, apply and doctor need only the standard library and PyYAML: the
+template's post-generation hook renders the first k8s/ with them, before anything is installed.
+"""  # noqa: E501

@@ -1,4 +1,5 @@
-"""python -m {{ cookiecutter.package }}.k8s [--check] [--out DIR] [KEY=VALUE ...]: see the package's docstring."""
+"""python -m {{ cookiecutter.package }}.k8s [--check] [--out DIR] [KEY=VALUE ...]: see the
+package's docstring."""
 
 from __future__ import annotations
 
@@ -83,14 +84,16 @@ def main() -> int:
                 return Exit.OK
             sys.stdout.writelines(sync.unified_diff(rendered, args.out))
             print(
-                f"{args.out}/ differs from configs/ ({len(found)} file(s)); {command} writes it again",
+                f"{args.out}/ differs from configs/ ({len(found)} file(s)); "
+                f"{command} writes it again",
                 file=sys.stderr,
             )
             return Exit.FAILED
         if args.overrides:
             if folder is None:
                 print(
-                    f"error: no configs/ here to write the overrides to: run {command} in the project",
+                    "error: no configs/ here to write the overrides to: "
+                    f"run {command} in the project",
                     file=sys.stderr,
                 )
                 return Exit.CONFIG_ERROR
@@ -121,8 +124,8 @@ def run() -> int:
         return main()
     except KeyboardInterrupt:  # configs/ and k8s/ are each replaced at once: old or new, never half
         print(
-            f"python -m {PACKAGE}.k8s: stopped by SIGINT; python -m {PACKAGE}.k8s --check says whether "
-            "k8s/ matches configs/",
+            f"python -m {PACKAGE}.k8s: stopped by SIGINT; "
+            f"python -m {PACKAGE}.k8s --check says whether k8s/ matches configs/",
             file=sys.stderr,
         )
         return Exit.INTERRUPTED

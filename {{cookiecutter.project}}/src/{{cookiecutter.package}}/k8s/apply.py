@@ -1,6 +1,8 @@
 """`make k8s-apply`: k8s/ onto the cluster, never leaving the user with nothing running.
 
-    python -m {{ cookiecutter.package }}.k8s.apply      # after python -m {{ cookiecutter.package }}.k8s --check, as make k8s-apply runs it
+After `python -m {{ cookiecutter.package }}.k8s --check`, as make k8s-apply runs it:
+
+    python -m {{ cookiecutter.package }}.k8s.apply
 
 1. The API server checks every object of k8s/ first (a server-side dry run of kubectl apply, as
    the real step sends it): the job under another name of the same length, since a job's pods
@@ -66,7 +68,10 @@ SERVER_TRIED = (  # where kubectl's error names the server: a URL, else its othe
     re.compile(r"dial tcp ([^\s:]+:\d+)"),
 )
 DEFAULT_SERVER = "localhost:8080"  # what kubectl tries with no kubeconfig at all
-POINT_IT = "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, or kubectl config use-context <name>"
+POINT_IT = (
+    "point kubectl at your cluster: KUBECONFIG=<its kubeconfig>, "
+    "or kubectl config use-context <name>"
+)
 
 
 class TimedOut(Refused):
@@ -158,7 +163,7 @@ def missing_kubeconfig() -> str | None:
 
 
 def current_context() -> str | None:
-    """kubectl's current context, read from its kubeconfig (no server asked); None if it has none."""
+    """kubectl's current context, from its kubeconfig (no server asked); None if it has none."""
     try:
         done = subprocess.run(
             ["kubectl", "config", "current-context"], capture_output=True, text=True, timeout=30
@@ -268,7 +273,8 @@ def server_check(objects: list[tuple[str, dict[str, Any]]]) -> None:
                 "spec": template["spec"],
             }
             dry_run(file, pod, "create", f"its {manifest['kind']}'s pods would be refused: ")
-        else:  # applied in place: an existing claim must accept the change (most of its spec is fixed)
+        else:
+            # Applied in place: an existing claim must accept the change (its spec is mostly fixed).
             dry_run(file, manifest)
 
 
@@ -340,7 +346,8 @@ def to_delete(objects: list[dict[str, Any]], there: list[dict[str, Any]]) -> lis
 
 
 def unchanged(workload: dict[str, Any], there: list[dict[str, Any]]) -> bool:
-    """Whether the cluster runs exactly this workload: kubectl apply's record of what it last sent."""
+    """Whether the cluster runs exactly this workload: kubectl apply's record of
+    what it last sent."""
     for item in there:
         metadata = item["metadata"]
         if (item["kind"], metadata["name"]) == (workload["kind"], workload["metadata"]["name"]):
@@ -382,17 +389,17 @@ def notes(
     for claim in sorted(before):
         (new,) = sorted(claims) or ["none"]
         said.append(
-            f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 on "
-            f"the empty {new}; {claim} is kept with the old checkpoints: copy them over with a pod "
-            f"that mounts both, or set deploy.runs_claim={claim} if its access mode suits"
+            f"note: the runs claim changes from {claim} to {new}: the new run starts from step 0 "
+            f"on the empty {new}; {claim} is kept with the old checkpoints: copy them over with a "
+            f"pod that mounts both, or set deploy.runs_claim={claim} if its access mode suits"
         )
     for job in earlier:
         kind, other, where = job["kind"], job["metadata"]["name"], job["metadata"]["namespace"]
         runs = ", ".join(sorted(claims_of(job))) or "no claim"
         said.append(
             f"note: {kind}/{other} in {where} is this project's training job too, under an earlier "
-            f"deploy.name or deploy.namespace, and keeps running with its GPUs (its checkpoints: {runs}): "
-            f"kubectl delete -n {where} {kind.lower()}/{other} stops it"
+            "deploy.name or deploy.namespace, and keeps running with its GPUs "
+            f"(its checkpoints: {runs}): kubectl delete -n {where} {kind.lower()}/{other} stops it"
         )
     mentioned = {(j["metadata"]["namespace"], j["metadata"]["name"]) for j in earlier}
     others = [
@@ -407,15 +414,15 @@ def notes(
         said.append(
             f"note: {other['kind']}/{other['metadata']['name']} in {namespace} mounts "
             f"{', '.join(sorted(claims_of(other) & claims))} too and keeps running (an earlier "
-            f"deploy.name?): kubectl delete -n {namespace} {other['kind'].lower()}/{other['metadata']['name']} "
-            "stops it"
+            f"deploy.name?): kubectl delete -n {namespace} "
+            f"{other['kind'].lower()}/{other['metadata']['name']} stops it"
         )
     if not old and not others and not earlier and not everywhere:
         said.append(
-            f"note: nothing of {name} ran in {namespace}, and other namespaces could not be listed; a "
-            "job of an earlier deploy.namespace keeps running: kubectl get "
-            f"{','.join(WORKLOADS.values())} -A -l {PART_OF_LABEL}={PROJECT},{COMPONENT_LABEL}={TRAINING} "
-            "lists them"
+            f"note: nothing of {name} ran in {namespace}, and other namespaces could not be "
+            "listed; a job of an earlier deploy.namespace keeps running: "
+            f"kubectl get {','.join(WORKLOADS.values())} -A "
+            f"-l {PART_OF_LABEL}={PROJECT},{COMPONENT_LABEL}={TRAINING} lists them"
         )
     return said
 
@@ -466,10 +473,12 @@ def main(folder: Path = Path("k8s")) -> int:
             return fail(f"{refused}; nothing was changed")
         kind_and_name = f"{workload['kind'].lower()}/{workload['metadata']['name']}"
         if unchanged(workload, there):
-            state = f"{folder}/ may be partly applied ({kind_and_name} keeps running): run make k8s-apply again"
-            kubectl(
-                "apply", "-f", f"{folder}/"
-            )  # the other objects, in place; the workload is as sent
+            state = (
+                f"{folder}/ may be partly applied ({kind_and_name} keeps running): "
+                "run make k8s-apply again"
+            )
+            # The other objects, in place; the workload is as sent.
+            kubectl("apply", "-f", f"{folder}/")
             print(f"k8s/ is unchanged: {kind_and_name} keeps running")
             return Exit.OK
         for line in notes(workload, there, earlier, everywhere):
@@ -501,9 +510,10 @@ def main(folder: Path = Path("k8s")) -> int:
                 if "timed out" not in str(refused) and not isinstance(refused, TimedOut):
                     raise
                 return fail(
-                    f"{old} is still there after {limit} s ({refused}): kubectl get pods -n {namespace} "
-                    f"-l {NAME_LABEL}={workload['metadata']['labels'][NAME_LABEL]} shows what is left; a "
-                    "pod stuck Terminating on a lost node needs kubectl delete pod --force; "
+                    f"{old} is still there after {limit} s ({refused}): kubectl get pods "
+                    f"-n {namespace} -l {NAME_LABEL}={workload['metadata']['labels'][NAME_LABEL]} "
+                    "shows what is left; a pod stuck Terminating on a lost node needs "
+                    "kubectl delete pod --force; "
                     f"{folder}/ is not applied: run make k8s-apply again"
                 )
             print(f"deleted {old}")

@@ -1,7 +1,7 @@
 """The deploy group's values, checked before anything is rendered: each value the API server
 would refuse (or that would make a job that cannot run) is refused here, in one line naming the
-key and what is allowed. deploy_config.DeployConfig runs deploy_errors(); so does the template's hook,
-on the plain YAML."""
+key and what is allowed. deploy_config.DeployConfig runs deploy_errors(); so does the template's
+hook, on the plain YAML."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ PULL_POLICIES = ("IfNotPresent", "Always", "Never")
 # Set by deploy.gpus_per_node, cpu_per_gpu, memory_per_gpu and ephemeral_storage.
 OWN_RESOURCES = ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu")
 CAPABILITY = re.compile(r"[A-Z][A-Z0-9_]*")
-# PodSecurity restricted allows adding this one only (baseline a few more; IPC_LOCK none but privileged).
+# PodSecurity restricted allows adding this one only
+# (baseline a few more; IPC_LOCK none but privileged).
 RESTRICTED_CAPABILITIES = ("NET_BIND_SERVICE",)
 INT32_MAX = 2**31 - 1  # the API's int32 fields: backoffLimit, maxRestarts, ttlSecondsAfterFinished
 INT64_MAX = 2**63 - 1  # activeDeadlineSeconds, tolerationSeconds
@@ -99,7 +100,8 @@ def toleration_errors(key: str, toleration: Any) -> list[str]:
         "value": (
             label_value_ok(toleration.get("value", ""))
             and not (operator == "Exists" and toleration.get("value")),
-            "must be a label value (63 characters: letters, digits, '-', '_', '.'), empty with operator Exists",
+            "must be a label value (63 characters: letters, digits, '-', '_', '.'), "
+            "empty with operator Exists",
         ),
         "effect": (
             effect in ("", *TAINT_EFFECTS),
@@ -124,8 +126,9 @@ def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[
     for name, value in deploy[key].items():
         if not label_key_ok(name):
             found.append(
-                f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} key "
-                "([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, letters, digits, '-', '_', '.')"
+                f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} "
+                "key ([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, "
+                "letters, digits, '-', '_', '.')"
             )
         elif isinstance(value, float):
             found.append(typed_value_error(key, name, value))
@@ -164,18 +167,20 @@ def env_errors(deploy: Mapping[str, Any]) -> list[str]:
                 )
             elif NCCL_VARS.fullmatch(var):
                 found.append(
-                    f"{where}: an NCCL or gloo variable: set it with nccl.env.{var}, which the doctor and the report see"
+                    f"{where}: an NCCL or gloo variable: set it with nccl.env.{var}, "
+                    "which the doctor and the report see"
                 )
             elif var in OWN_ENV or var.startswith("PET_"):
                 found.append(
-                    f"{where}: the launch line sets it (allowed: any variable but {', '.join(OWN_ENV)} and PET_*)"
+                    f"{where}: the launch line sets it "
+                    f"(allowed: any variable but {', '.join(OWN_ENV)} and PET_*)"
                 )
             elif key == "env" and var in deploy["secret_env"]:
                 found.append(f"{where}: also in deploy.secret_env: keep one")
             elif key == "env" and SECRET_LIKE.search(var):
                 found.append(
-                    f"{where}: looks like a secret, which k8s/ and the logs would hold in the clear; "
-                    f"name it from a Secret instead: deploy.secret_env.{var}=<secret>/<key> "
+                    f"{where}: looks like a secret, which k8s/ and the logs would hold in the "
+                    f"clear; name it from a Secret instead: deploy.secret_env.{var}=<secret>/<key> "
                     "(kubectl create secret generic <secret> --from-literal=<key>=...)"
                 )
             elif key == "env" and isinstance(value, float):
@@ -218,7 +223,8 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     check(
         name_ok(name, RFC1035_LABEL, NAME_MAX),
         "name",
-        f"must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, at most {NAME_MAX} characters",
+        "must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, "
+        f"at most {NAME_MAX} characters",
     )
     check(
         name_ok(deploy["namespace"], DNS_LABEL, 63),
@@ -237,12 +243,14 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         check(
             parts["tag"] or parts["digest"],
             "image",
-            "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): a node reuses the image it pulled",
+            "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): "
+            "a node reuses the image it pulled",
         )
         check(
             parts["tag"] != "latest" or parts["digest"] or policy == "Always",
             "image",
-            "a node keeps the :latest it pulled first; use a version tag or a digest (or image_pull_policy=Always)",
+            "a node keeps the :latest it pulled first; use a version tag or a digest "
+            "(or image_pull_policy=Always)",
         )
     check(
         policy in PULL_POLICIES, "image_pull_policy", f"must be one of {', '.join(PULL_POLICIES)}"
@@ -300,7 +308,8 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     )
     check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
     check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
-    # The hook reads configs/ as plain YAML (cruft update: as the user left them), not through the schema.
+    # The hook reads configs/ as plain YAML (cruft update: as the user left them),
+    # not through the schema.
     kinds = {
         "tolerations": list,
         "node_selector": Mapping,
@@ -337,7 +346,8 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
         hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")
         found.append(
-            f"deploy.affinity.{key}: no such key; {hint}allowed: {', '.join(AFFINITY_KEYS)} (as in a pod's spec.affinity)"
+            f"deploy.affinity.{key}: no such key; {hint}allowed: {', '.join(AFFINITY_KEYS)} "
+            "(as in a pod's spec.affinity)"
         )
     for key in AFFINITY_KEYS:
         if not isinstance(deploy["affinity"].get(key, {}), Mapping):
@@ -360,7 +370,8 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     for capability in deploy["capabilities"]:
         if not name_ok(capability, CAPABILITY, 64) or capability.startswith("CAP_"):
             found.append(
-                f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, such as IPC_LOCK"
+                f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, "
+                "such as IPC_LOCK"
             )
     found += map_errors(deploy, "pod_labels", label_values=True)
     found += [
@@ -373,12 +384,14 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     size = sum(len(str(key)) + len(str(value)) for key, value in annotations.items())
     if size > ANNOTATIONS_MAX:
         found.append(
-            f"deploy.pod_annotations: {size} bytes in all; a pod's annotations hold at most {ANNOTATIONS_MAX} (256 KiB)"
+            f"deploy.pod_annotations: {size} bytes in all; "
+            f"a pod's annotations hold at most {ANNOTATIONS_MAX} (256 KiB)"
         )
     for secret in deploy["image_pull_secrets"]:
         if not name_ok(secret, DNS_SUBDOMAIN, 253):
             found.append(
-                f"deploy.image_pull_secrets: {secret}: must be a Secret name (a DNS subdomain: a-z, 0-9, '-', '.')"
+                f"deploy.image_pull_secrets: {secret}: must be a Secret name "
+                "(a DNS subdomain: a-z, 0-9, '-', '.')"
             )
     found += env_errors(deploy)
     check(
@@ -440,5 +453,6 @@ def pod_name_errors(name: str, nodes: int, flavor: Flavor) -> list[str]:
     most = POD_NAME_MAX - (len(longest) - len(name))
     return [
         f"deploy.name={name}: a {flavor.kind} of {nodes} nodes names a pod {longest} "
-        f"({len(longest)} characters; a pod name holds {POD_NAME_MAX}): at most {most} characters here"
+        f"({len(longest)} characters; a pod name holds {POD_NAME_MAX}): "
+        f"at most {most} characters here"
     ]

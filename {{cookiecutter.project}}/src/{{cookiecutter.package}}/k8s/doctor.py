@@ -12,10 +12,11 @@ a ReadWriteOnce claim held by a running job would keep it Pending). They run as 
 app.kubernetes.io/component=doctor: make k8s-apply lists and deletes only component=training, and
 this deletes only the doctor's Job.
 
-Exit status: pod 0's, the doctor's verdict (python -m {{ cookiecutter.package }}.doctor --help): 0 training's
-profile works across the nodes, 1 it does not (pod 0's table names the profile that does) or the
-doctor did not finish; 2 a bad config or argument; 130 Ctrl-C (the Job keeps running to its end).
-"""
+Exit status: pod 0's, the doctor's verdict
+(python -m {{ cookiecutter.package }}.doctor --help): 0 training's profile works across the
+nodes, 1 it does not (pod 0's table names the profile that does) or the doctor did not finish;
+2 a bad config or argument; 130 Ctrl-C (the Job keeps running to its end).
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ PROFILES_ACROSS_NODES = (
 )
 # Scheduling and an image pull, within the Job's deadline: a doctor that never started says so.
 START_SLACK_S = 600
-KEPT_S = 3600  # a finished doctor's pods and logs, for kubectl logs; the next make k8s-doctor replaces it
+# How long a finished doctor's pods and logs are kept, for kubectl logs; the next make k8s-doctor
+# replaces them.
+KEPT_S = 3600
 POLL_S = 5
 SAY_EVERY_S = 30
 # Node 0's doctor is at localhost to itself (it may not resolve its own DNS name yet), at
@@ -187,7 +190,8 @@ def run(found: list[dict], wait_s: float) -> int:
     name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
     project = job["metadata"]["labels"][NAME_LABEL]
     server_check([(f"{o['kind'].lower()}/{o['metadata']['name']}", o) for o in found])
-    # Only the doctor's Job: its pod template cannot change in place; the training's are never listed.
+    # Only the doctor's Job: its pod template cannot change in place; the training's
+    # are never listed.
     selector = ",".join(f"{k}={v}" for k, v in identity(project, DOCTOR).items())
     kubectl(
         "delete",

@@ -280,7 +280,8 @@ def trainjob_cannot(deploy: Deploy) -> list[tuple[str, str]]:
             (
                 "image_pull_policy",
                 deploy["image_pull_policy"] == "IfNotPresent",
-                "a TrainJob cannot set it: its pods get IfNotPresent, Kubernetes' default for a tagged image",
+                "a TrainJob cannot set it: its pods get IfNotPresent, "
+                "Kubernetes' default for a tagged image",
             ),
             (
                 "rdzv_port",
@@ -290,7 +291,8 @@ def trainjob_cannot(deploy: Deploy) -> list[tuple[str, str]]:
             (
                 "priority_class",
                 deploy["priority_class"] is None,
-                "a TrainJob cannot set it (Trainer v2.3's runtimePatches have no priorityClassName); use a queue",
+                "a TrainJob cannot set it (Trainer v2.3's runtimePatches have no "
+                "priorityClassName); use a queue",
             ),
         ]
         if not ok
@@ -310,7 +312,7 @@ def jobset_pod_name(name: str, nodes: int) -> str:
 
 
 def pytorchjob_pod_name(name: str, nodes: int) -> str:
-    """The training operator's pod names, <job>-worker-<index> (common GenGeneralName): no suffix."""
+    """The training operator's pod name, <job>-worker-<index> (common GenGeneralName): no suffix."""
     return f"{name}-worker-{nodes - 1}"
 
 
@@ -361,7 +363,10 @@ FLAVORS = {
         lost_node=JOB_LOST_NODE,
         companions=lambda d: {"service.yaml": service(d)} if d["nodes"] > 1 else {},
         companion_headers={
-            "service.yaml": "# The headless Service that names each pod of the Indexed Job: {name}-<index>.{name}\n"
+            "service.yaml": (
+                "# The headless Service that names each pod of the Indexed Job: "
+                "{name}-<index>.{name}\n"
+            )
         },
         logs="job/{name}",
     ),
@@ -383,14 +388,20 @@ FLAVORS = {
         kueue_opt_in="kubeflow.org/pytorchjob",
         pod_template=lambda w: w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"],
         # the operator names a pod <name>-worker-<index>, without a random suffix
-        lost_node="its replacement has its name, so the operator can create it only once the old pod is gone",
+        lost_node=(
+            "its replacement has its name, so the operator can create it only once "
+            "the old pod is gone"
+        ),
     ),
     "trainjob": Flavor(
         "TrainJob",
         "trainjobs.trainer.kubeflow.org",
         trainjob,
         pod_name=jobset_pod_name,
-        needs=f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} ClusterTrainingRuntime",
+        needs=(
+            f"Kubeflow Trainer v2 (trainer.kubeflow.org) and its {TRAINJOB_RUNTIME} "
+            "ClusterTrainingRuntime"
+        ),
         companions=lambda d: {"serviceaccount.yaml": service_account(d)},
         cannot=trainjob_cannot,
         companion_headers={
@@ -405,8 +416,8 @@ FLAVORS = {
         pod_template=trainjob_pod_template,
         lost_node=(
             "the runtime's Job replaces it at once (podReplacementPolicy TerminatingOrFailed: two "
-            "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its JobSet "
-            f"has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot"
+            "pod 0s if the old one still runs), counts it against its backoffLimit (6) and its "
+            f"JobSet has no failurePolicy; {TRAINJOB_RUNTIME} sets these, a TrainJob cannot"
         ),
     ),
 }

@@ -10,7 +10,8 @@ from typing import Any
 
 from .. import PROJECT
 
-NAME_LABEL = "app.kubernetes.io/name"  # every object of the project carries it: make k8s-apply finds them by it
+# Every object of the project carries it: make k8s-apply finds them by it.
+NAME_LABEL = "app.kubernetes.io/name"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 # The project's, whatever deploy.name and deploy.namespace: make k8s-apply finds by it a job left
 # running under an earlier name or in another namespace. Never in a selector that deletes: objects

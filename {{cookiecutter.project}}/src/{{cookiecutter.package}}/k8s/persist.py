@@ -1,6 +1,6 @@
-"""`python -m {{ cookiecutter.package }}.k8s KEY=VALUE`'s overrides, written into configs/ where the next render, the
-check and training read them: deploy.* into deploy/default.yaml, nccl=<profile> into train.yaml,
-nccl.<field> into that profile's file.
+"""`python -m {{ cookiecutter.package }}.k8s KEY=VALUE`'s overrides, written into configs/
+where the next render, the check and training read them: deploy.* into deploy/default.yaml,
+nccl=<profile> into train.yaml, nccl.<field> into that profile's file.
 
 The files stay as their author wrote them (a round trip through ruamel.yaml): comments, order,
 indentation and quoting are kept, and a value is replaced whole in the style the old one had,

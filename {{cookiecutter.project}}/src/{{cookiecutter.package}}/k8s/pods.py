@@ -74,7 +74,8 @@ def c10d_launch(index: str, host: str, port: str) -> str:
     fail can re-rendezvous with the others in place (--max-restarts)."""
     return (
         f'case "${index}" in 0) host=localhost ;; *) host="${host}" ;; esac; '
-        f'exec {COMMAND} train --rdzv-backend c10d --rdzv-endpoint "$host:${port}" --local-addr "$POD_IP" "$@"'
+        f'exec {COMMAND} train --rdzv-backend c10d --rdzv-endpoint "$host:${port}" '
+        '--local-addr "$POD_IP" "$@"'
     )
 
 
@@ -247,7 +248,8 @@ def lost_node_tolerations(deploy: Mapping[str, Any]) -> list[dict]:
 
 def pod_spec(deploy: Mapping[str, Any], container: dict, restart: str = "Never") -> dict:
     # Ours first: the taint eviction controller goes by the first toleration that matches each taint
-    # (GetMatchingTolerations), so a wildcard of deploy.tolerations cannot outlast deploy.lost_node_s.
+    # (GetMatchingTolerations), so a wildcard of deploy.tolerations
+    # cannot outlast deploy.lost_node_s.
     tolerations = lost_node_tolerations(deploy) + [dict(t) for t in deploy["tolerations"]]
     scheduling = optional(
         priorityClassName=deploy["priority_class"],

@@ -148,6 +148,6 @@ class StoreLiveness:
                 self.said_at[host, port] = step
                 self.say(
                     f": the rendezvous host {host}:{port} (pod 0) has not answered for {step} s; "
-                    f"this node gives it up at {self.give_up_s:g} s (half of --rdzv-conf read_timeout; "
-                    "deploy.rdzv_timeout_s in k8s/)"
+                    f"this node gives it up at {self.give_up_s:g} s "
+                    "(half of --rdzv-conf read_timeout; deploy.rdzv_timeout_s in k8s/)"
                 )

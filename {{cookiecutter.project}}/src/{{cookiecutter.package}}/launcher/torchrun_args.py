@@ -1,5 +1,6 @@
 """torchrun's options as `<project> train` takes them: split from the Hydra overrides, completed
-(--nproc-per-node, --standalone) and checked, so that a bad one is one line, not torchrun's traceback."""
+(--nproc-per-node, --standalone) and checked, so that a bad one is one line,
+not torchrun's traceback."""
 
 from __future__ import annotations
 
@@ -90,7 +91,10 @@ def option_problem(parsed: argparse.Namespace, options: list[str]) -> str | None
 
     nproc = str(parsed.nproc_per_node)
     if nproc == "gpu" and not torch.cuda.is_available():
-        return f"{named('nproc-per-node', nproc)}: no CUDA device is visible; give a number of processes"
+        return (
+            f"{named('nproc-per-node', nproc)}: no CUDA device is visible; "
+            "give a number of processes"
+        )
     if nproc not in ("gpu", "cpu", "auto") and not whole(nproc, 1, MAX_NPROC):
         return (
             f"{named('nproc-per-node', nproc)}: must be a number of processes from 1 to "
@@ -121,12 +125,18 @@ def option_problem(parsed: argparse.Namespace, options: list[str]) -> str | None
             f"per node of --nnodes={nnodes}"
         )
     if not (math.isfinite(parsed.monitor_interval) and parsed.monitor_interval > 0):
-        return f"{named('monitor-interval', parsed.monitor_interval)}: must be a number of seconds above 0"
+        return (
+            f"{named('monitor-interval', parsed.monitor_interval)}: "
+            "must be a number of seconds above 0"
+        )
     if parsed.master_port is not None and not 1 <= parsed.master_port <= 65535:
         return f"{named('master-port', parsed.master_port)}: must be a port, 1 to 65535"
     backends = sorted(rendezvous_handler_registry._registry)  # torchrun's own table
     if not parsed.standalone and parsed.rdzv_backend not in backends:
-        return f"{named('rdzv-backend', parsed.rdzv_backend)}: no such backend; allowed: {', '.join(backends)}"
+        return (
+            f"{named('rdzv-backend', parsed.rdzv_backend)}: no such backend; "
+            f"allowed: {', '.join(backends)}"
+        )
     try:
         parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
     except ValueError as err:
@@ -153,7 +163,10 @@ def option_problem(parsed: argparse.Namespace, options: list[str]) -> str | None
             )
     ranks = parsed.local_ranks_filter
     if ranks and not all(whole(rank, 0) for rank in ranks.split(",")):
-        return f"{named('local-ranks-filter', ranks)}: must be local ranks separated by commas, e.g. 0,1"
+        return (
+            f"{named('local-ranks-filter', ranks)}: "
+            "must be local ranks separated by commas, e.g. 0,1"
+        )
     return None
 
 

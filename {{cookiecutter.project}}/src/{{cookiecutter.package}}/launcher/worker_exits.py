@@ -107,13 +107,15 @@ class Agent(LocalElasticAgent):
 # In torchrun's output: its summary, the rank it blames, worker lines, and its own log lines.
 SUMMARY = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 BLAMED = re.compile(
-    r"^Root Cause \(first observed failure\):\n(?:.*\n)*?\s*rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)",
+    r"^Root Cause \(first observed failure\):\n(?:.*\n)*?"
+    r"\s*rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)",
     re.MULTILINE,
 )
 RANK_LINE = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
 EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b(?::.*)?$")
 NOT_SAID_BY_A_WORKER = re.compile(
-    r"^(?:[DIWEF]\d{4} \d\d:\d\d:\d\d|\*+$|Setting OMP_NUM_THREADS|Traceback \(most recent call last\)|\s|$)"
+    r"^(?:[DIWEF]\d{4} \d\d:\d\d:\d\d|\*+$|Setting OMP_NUM_THREADS"
+    r"|Traceback \(most recent call last\)|\s|$)"
 )
 
 

@@ -5,7 +5,7 @@ reports it: bytes / time * 2 * (n - 1) / n. One process per GPU; gloo on CPU wit
 
 Rank 0 prints one line, `ALLREDUCE {json}`: init seconds (init_process_group and a first
 all-reduce) and GB/s per size. The doctor runs this once per NCCL profile.
-"""
+"""  # noqa: E501
 
 import argparse
 import json

@@ -37,7 +37,8 @@ P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS", "0", "1", "2", "3", "4",
 MAX_VALUE_CHARS = 4096  # an environment variable: Linux refuses one over 128 KiB at exec
 NCCL_VAR = re.compile(r"NCCL_[A-Z0-9_]+")
 # What the report shows from the environment, and what nccl.env may set: GLOO_* too, since the
-# gloo backend (CPU runs, and torch's CPU-side groups) reads GLOO_SOCKET_IFNAME as NCCL reads its own.
+# gloo backend (CPU runs, and torch's CPU-side groups) reads GLOO_SOCKET_IFNAME as NCCL
+# reads its own.
 TRACKED_VAR = re.compile(r"(TORCH_)?NCCL_[A-Z0-9_]+|GLOO_[A-Z0-9_]+")
 # torchrun puts these into every worker's environment unless its own environment has them.
 LAUNCHER_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
@@ -164,7 +165,10 @@ def value_error(key: str, value: Any) -> str | None:
     if text != text.strip():
         return f"{key}={text!r}: spaces at its ends, which NCCL would read as part of it"
     if len(text) > MAX_VALUE_CHARS:
-        return f"{key}: {len(text)} characters; an environment variable here takes at most {MAX_VALUE_CHARS}"
+        return (
+            f"{key}: {len(text)} characters; "
+            f"an environment variable here takes at most {MAX_VALUE_CHARS}"
+        )
     return None
 
 
@@ -190,8 +194,8 @@ def config_errors(nccl_cfg: Any) -> list[str]:
     for var, value in nccl_cfg.env.items():
         if not TRACKED_VAR.fullmatch(var):
             errors.append(
-                f"nccl.env.{var}: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names (A-Z, 0-9, _); "
-                "other variables: deploy.env, or deploy.secret_env for a secret"
+                f"nccl.env.{var}: keys must be NCCL_*, TORCH_NCCL_* or GLOO_* variable names "
+                "(A-Z, 0-9, _); other variables: deploy.env, or deploy.secret_env for a secret"
             )
         elif var in field_of:
             errors.append(f"nccl.env.{var}: set it with {field_of[var]} instead")
@@ -309,7 +313,8 @@ def decide(
                 source += f" (over torchrun's default {before})"
             else:
                 warnings.append(
-                    f"{source}={value} overrides {var}={before} from the environment; {var}={value} is in force"
+                    f"{source}={value} overrides {var}={before} from the environment; "
+                    f"{var}={value} is in force"
                 )
         settings[var] = Setting(value, source)
     return Decision(settings, tuple(warnings))
@@ -339,8 +344,8 @@ def shm_error(facts: NodeFacts, env: Mapping[str, str]) -> str | None:
     if facts.shm_bytes >= needed:
         return None
     return (
-        f"/dev/shm is {facts.shm_bytes / MIB:.0f} MiB, but NCCL's shared-memory transport (used here "
-        f"because P2P is off) needs about {needed / MIB:.0f} MiB for {facts.local_world_size} local "
-        "ranks. On Kubernetes, mount an emptyDir with medium: Memory at /dev/shm (k8s/job.yaml does; "
-        "raise its sizeLimit); with docker, pass --shm-size=1g or --ipc=host."
+        f"/dev/shm is {facts.shm_bytes / MIB:.0f} MiB, but NCCL's shared-memory transport (used "
+        f"here because P2P is off) needs about {needed / MIB:.0f} MiB for {facts.local_world_size} "
+        "local ranks. On Kubernetes, mount an emptyDir with medium: Memory at /dev/shm "
+        "(k8s/job.yaml does; raise its sizeLimit); with docker, pass --shm-size=1g or --ipc=host."
     )

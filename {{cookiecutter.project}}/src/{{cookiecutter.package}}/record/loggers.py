@@ -3,15 +3,15 @@
     logger=tensorboard   # the default: event files in <run dir>/tensorboard (make tensorboard)
     logger=csv           # nothing beyond metrics.csv and metrics.jsonl, which every run writes
     logger=wandb         # Weights & Biases: pip install '.[wandb]'; offline by default (wandb sync)
-    logger=mlflow        # MLflow: pip install '.[mlflow]'; a file store in <run dir>/mlruns by default
+    logger=mlflow        # MLflow: pip install '.[mlflow]'; files in <run dir>/mlruns by default
     logger=[tensorboard,wandb]   # several at once; each one's keys: logger.wandb.mode=online
 
 Each is imported only when chosen, and started by what registered as its builder
 (@builds(its schema): a class or function given the logger's config, the run dir, the step the run
-starts from and the whole config as a dict); check (and train, before any process starts) refuses a logger
-whose package is missing, or an MLflow server that does not answer. A resumed run continues the
-same logger run; rows past the checkpoint it resumes from are not logged twice where the logger
-allows it.
+starts from and the whole config as a dict); check (and train, before any process starts) refuses
+a logger whose package is missing, or an MLflow server that does not answer. A resumed run
+continues the same logger run; rows past the checkpoint it resumes from are not logged twice where
+the logger allows it.
 """
 
 from __future__ import annotations
@@ -175,7 +175,10 @@ def cause(err: BaseException) -> str:
     if " with exception " in text and ended:
         tries = int(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")) + 1
         each = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "?")
-        text = f"{text.split(' with exception ')[0]}: {ended.group(1)} ({tries} attempt(s), {each} s each)"
+        text = (
+            f"{text.split(' with exception ')[0]}: {ended.group(1)} "
+            f"({tries} attempt(s), {each} s each)"
+        )
     return f"{type(err).__name__}: {text}"
 
 

@@ -1,1 +1,1 @@
-"""The training run's machinery: the loop, checkpoints, stopping, the run dir, DDP, torch.compile."""
+"""A training run's machinery: the loop, checkpoints, stopping, the run dir, DDP, torch.compile."""
