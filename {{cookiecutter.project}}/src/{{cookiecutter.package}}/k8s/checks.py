@@ -209,107 +209,144 @@ def name_ok(value: Any, pattern: re.Pattern, length: int) -> bool:
 def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     """What is wrong in the deploy group, one line each (deploy.<key>=<value>: what is allowed).
     Runs before anything is rendered: a manifest is written whole or not at all."""
-    found: list[str] = []
-    deploy = {
-        **ADDED_LATER,
-        **deploy,
-    }  # a project's configs/ from before a key existed (cruft update)
+    # A project's configs/ from before a key existed (cruft update) gets the key's default.
+    deploy = {**ADDED_LATER, **deploy}
+    found = [*name_and_image_errors(deploy), *number_errors(deploy), *kind_errors(deploy)]
+    if found:  # the checks below read these values: numbers, lists and maps as checked here
+        return found
+    return [
+        *toleration_list_errors(deploy),
+        *placement_errors(deploy),
+        *resource_errors(deploy),
+        *metadata_errors(deploy),
+        *env_errors(deploy),
+        *storage_errors(deploy),
+        *queue_errors(deploy),
+        *flavor_errors(deploy),
+    ]
 
-    def check(ok: Any, key: str, allowed: str) -> None:
+
+class Found(list):
+    """Lines of what is wrong in a deploy group; check() adds the usual one for a key."""
+
+    def __init__(self, deploy: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.deploy = deploy
+
+    def check(self, ok: Any, key: str, allowed: str) -> None:
         if not ok:
-            found.append(f"deploy.{key}={deploy[key]}: {allowed}")
+            self.append(f"deploy.{key}={self.deploy[key]}: {allowed}")
 
+
+def name_and_image_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """deploy.name, namespace, flavor, image and image_pull_policy."""
+    found = Found(deploy)
     name, flavor, policy = deploy["name"], deploy["flavor"], deploy["image_pull_policy"]
-    check(
+    found.check(
         name_ok(name, RFC1035_LABEL, NAME_MAX),
         "name",
         "must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, "
         f"at most {NAME_MAX} characters",
     )
-    check(
+    found.check(
         name_ok(deploy["namespace"], DNS_LABEL, 63),
         "namespace",
         "must be a DNS label: a-z, 0-9 and '-', at most 63 characters",
     )
-    check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
+    found.check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
     image = deploy["image"]
     parts = IMAGE.fullmatch(image) if isinstance(image, str) and len(image) <= 255 else None
-    check(
+    found.check(
         parts,
         "image",
         "must be an image reference: [registry/]name:tag or [registry/]name@sha256:<digest>",
     )
     if parts:
-        check(
+        found.check(
             parts["tag"] or parts["digest"],
             "image",
             "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): "
             "a node reuses the image it pulled",
         )
-        check(
+        found.check(
             parts["tag"] != "latest" or parts["digest"] or policy == "Always",
             "image",
             "a node keeps the :latest it pulled first; use a version tag or a digest "
             "(or image_pull_policy=Always)",
         )
-    check(
+    found.check(
         policy in PULL_POLICIES, "image_pull_policy", f"must be one of {', '.join(PULL_POLICIES)}"
     )
+    return found
+
+
+def number_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """The counts, sizes, ports and seconds."""
+    found = Found(deploy)
     nodes = deploy["nodes"]
-    check(
+    found.check(
         whole_number(nodes, 1, INDEXED_MAX),
         "nodes",
         f"must be 1 to {INDEXED_MAX} (an Indexed Job's most completions)",
     )
-    check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
+    found.check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
     cores = quantity(deploy["cpu_per_gpu"])
-    check(
+    found.check(
         cores and (cores * 1000).denominator == 1,
         "cpu_per_gpu",
         "must be a CPU quantity above 0 in steps of 1m, such as 4 or 3500m",
     )
     for key in SIZES:
         size = quantity(deploy[key])
-        check(size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G")
-    check(whole_number(deploy["rdzv_port"], 1024, 65535), "rdzv_port", "must be 1024 to 65535")
+        found.check(size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G")
+    found.check(
+        whole_number(deploy["rdzv_port"], 1024, 65535), "rdzv_port", "must be 1024 to 65535"
+    )
     # A failure on one node fails every node's pod: the rendered backoffLimit is this x nodes.
     most = INT32_MAX // nodes if whole_number(nodes, 1) else INT32_MAX
-    check(
+    found.check(
         whole_number(deploy["backoff_limit"], 0, most),
         "backoff_limit",
         f"must be 0 to {most} (the job's backoffLimit, this x deploy.nodes, is an int32)",
     )
-    check(
+    found.check(
         whole_number(deploy["max_restarts"], 0, INT32_MAX),
         "max_restarts",
         f"must be 0 to {INT32_MAX}",
     )
-    check(
+    found.check(
         whole_number(deploy["rdzv_timeout_s"], 10, RDZV_TIMEOUT_MAX),
         "rdzv_timeout_s",
         f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
     )
     ttl, deadline = deploy["ttl_after_finished_s"], deploy["active_deadline_s"]
-    check(
+    found.check(
         ttl is None or whole_number(ttl, 0, INT32_MAX),
         "ttl_after_finished_s",
         f"must be null (keep) or seconds, 0 to {INT32_MAX}",
     )
-    check(
+    found.check(
         deadline is None or whole_number(deadline, 1, INT64_MAX),
         "active_deadline_s",
         "must be null (no limit) or seconds, at least 1",
     )
     lost = deploy["lost_node_s"]
-    check(
+    found.check(
         lost is None or whole_number(lost, 0, LOST_NODE_MAX),
         "lost_node_s",
         f"must be null (the cluster's 300 s) or seconds, 0 to {LOST_NODE_MAX} (a day)",
     )
-    check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
-    check(isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false")
-    # The hook reads configs/ as plain YAML (cruft update: as the user left them),
-    # not through the schema.
+    found.check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
+    found.check(
+        isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false"
+    )
+    return found
+
+
+def kind_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """Each list is a list and each map a mapping. The schema makes them so, but the template's
+    hook reads configs/ as plain YAML (cruft update: as the user left them)."""
+    found = Found(deploy)
     kinds = {
         "tolerations": list,
         "node_selector": Mapping,
@@ -323,13 +360,18 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         "secret_env": Mapping,
     }
     for key, kind in kinds.items():
-        check(
+        found.check(
             isinstance(deploy[key], kind),
             key,
             f"must be a {'mapping' if kind is Mapping else 'list'}",
         )
-    if found:
-        return found
+    return found
+
+
+def toleration_list_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """Each toleration as the API server reads it, and none of a lost node's taints:
+    deploy.lost_node_s sets those."""
+    found = Found(deploy)
     for index, toleration in enumerate(deploy["tolerations"]):
         found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
         # as DefaultTolerationSeconds reads a toleration of them; one after ours would never be used
@@ -342,6 +384,12 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
                 f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
                 "instead, which tolerates both of a lost node's taints"
             )
+    return found
+
+
+def placement_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """Where the pods may run: deploy.node_selector, deploy.affinity, deploy.one_pod_per_node."""
+    found = Found(deploy)
     found += map_errors(deploy, "node_selector", label_values=True)
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
         hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")
@@ -352,11 +400,17 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     for key in AFFINITY_KEYS:
         if not isinstance(deploy["affinity"].get(key, {}), Mapping):
             found.append(f"deploy.affinity.{key}: must be a mapping, as in a pod's spec.affinity")
-    check(
+    found.check(
         not (deploy["one_pod_per_node"] and "podAntiAffinity" in deploy["affinity"]),
         "one_pod_per_node",
         "is a podAntiAffinity of its own: set it or deploy.affinity.podAntiAffinity, not both",
     )
+    return found
+
+
+def resource_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """What the pods ask of a node besides GPUs, CPU and memory: resources, capabilities."""
+    found = Found(deploy)
     for key, count in deploy["extra_resources"].items():
         if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
             found.append(
@@ -373,6 +427,13 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
                 f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, "
                 "such as IPC_LOCK"
             )
+    return found
+
+
+def metadata_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """The pods' labels and annotations, and the Secrets their images are pulled with."""
+    found = Found(deploy)
+    name = deploy["name"]
     found += map_errors(deploy, "pod_labels", label_values=True)
     found += [
         f"deploy.pod_labels.{key}: is this project's own label; choose another key"
@@ -393,8 +454,14 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
                 f"deploy.image_pull_secrets: {secret}: must be a Secret name "
                 "(a DNS subdomain: a-z, 0-9, '-', '.')"
             )
-    found += env_errors(deploy)
-    check(
+    return found
+
+
+def storage_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """The run dirs' claim, and the classes named by name."""
+    found = Found(deploy)
+    nodes = deploy["nodes"]
+    found.check(
         deploy["runs_access_mode"] == "ReadWriteMany"
         or deploy["runs_claim"] is not None
         or nodes == 1,
@@ -407,13 +474,19 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         ("storage_class", "a StorageClass"),
         ("runs_claim", "a PersistentVolumeClaim"),
     ):
-        check(
+        found.check(
             deploy[key] is None or name_ok(deploy[key], DNS_SUBDOMAIN, 253),
             key,
             f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
         )
+    return found
+
+
+def queue_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """Kueue's keys: the queue, its priority, the topology the pods are placed by."""
+    found = Found(deploy)
     queue = deploy["queue"]
-    check(
+    found.check(
         queue is None or name_ok(queue, DNS_LABEL, 63),
         "queue",
         "must be null or a Kueue LocalQueue name: a-z, 0-9 and '-', at most 63 characters",
@@ -429,13 +502,22 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
         valid = (
             name_ok(value, DNS_SUBDOMAIN, 253) if key == "queue_priority" else label_key_ok(value)
         )
-        check(value is None or valid, key, f"must be null or {what}")
-        check(value is None or queue is not None, key, "only Kueue reads it: set deploy.queue too")
-    check(
+        found.check(value is None or valid, key, f"must be null or {what}")
+        found.check(
+            value is None or queue is not None, key, "only Kueue reads it: set deploy.queue too"
+        )
+    found.check(
         deploy["topology_mode"] in TOPOLOGY_ANNOTATIONS,
         "topology_mode",
         f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
     )
+    return found
+
+
+def flavor_errors(deploy: Mapping[str, Any]) -> list[str]:
+    """What the chosen flavor's controller would refuse: pod names, keys it cannot carry."""
+    found = Found(deploy)
+    name, nodes, flavor = deploy["name"], deploy["nodes"], deploy["flavor"]
     if flavor in FLAVORS:
         found += pod_name_errors(name, nodes, FLAVORS[flavor])
         found += [
