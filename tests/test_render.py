@@ -116,6 +116,7 @@ EXPECTED_FILES = {
     "src/{package}/k8s/__main__.py",
     "src/{package}/k8s/apply.py",
     "src/{package}/k8s/checks.py",
+    "src/{package}/k8s/cluster.py",
     "src/{package}/k8s/doctor.py",
     "src/{package}/k8s/flavors.py",
     "src/{package}/k8s/meta.py",

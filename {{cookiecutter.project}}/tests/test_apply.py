@@ -12,7 +12,7 @@ import yaml
 from conftest import PACKAGE
 
 from ddp_project import PROJECT
-from ddp_project.k8s import apply, meta
+from ddp_project.k8s import apply, cluster, meta
 
 NAME, NAMESPACE = "p", "ns"
 
@@ -59,16 +59,16 @@ class Fake:
             raise self.on[args[0]]
         if args[0] == "api-resources":
             return (
-                "\n".join(apply.WORKLOADS.values())
+                "\n".join(cluster.WORKLOADS.values())
                 + "\n"
                 + "\n".join(apply.REPLACED_IF_STALE.values())
             )
         if args[0] == "get":
-            kind = {r: k for k, r in {**apply.WORKLOADS, **apply.REPLACED_IF_STALE}.items()}[
+            kind = {r: k for k, r in {**cluster.WORKLOADS, **apply.REPLACED_IF_STALE}.items()}[
                 args[1]
             ]
             if "-A" in args and self.forbid_all:
-                raise apply.Refused(
+                raise cluster.Refused(
                     'Error from server (Forbidden): jobs.batch is forbidden: User "u" '
                     'cannot list resource "jobs" in API group "batch" at the cluster scope'
                 )
@@ -95,7 +95,7 @@ def test_the_dry_run_is_the_real_applys_and_each_workloads_pods_are_checked_as_a
     folder, monkeypatch
 ):
     fake = Fake()
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 0
     dry = [call for call in fake.calls if "--dry-run=server" in call]
     assert [call[0] for call in dry] == [
@@ -142,7 +142,7 @@ def test_the_dry_run_is_the_real_applys_and_each_workloads_pods_are_checked_as_a
             ],
         },
     }
-    template = apply.pod_template(trainjob)
+    template = cluster.pod_template(trainjob)
     assert template["metadata"] == {"labels": {"x": "y"}}
     assert template["spec"] == {
         "containers": [
@@ -164,18 +164,18 @@ def test_a_workload_and_its_pods_go_through_the_one_dry_run_each_with_its_verb_a
 ):
     sent = []
     monkeypatch.setattr(
-        apply,
+        cluster,
         "dry_run",
         lambda file, obj, verb="apply", why="": sent.append((file, obj["kind"], verb)),
     )
-    apply.server_check([("job.yaml", job())])
+    cluster.server_check([("job.yaml", job())])
     assert sent == [("job.yaml", "Job", "apply"), ("job.yaml", "Pod", "create")]
     monkeypatch.undo()
     monkeypatch.setattr(
-        apply, "kubectl", Fake(on={"create": apply.Refused("forbidden: violates PodSecurity")})
+        cluster, "kubectl", Fake(on={"create": cluster.Refused("forbidden: violates PodSecurity")})
     )
-    with pytest.raises(apply.Refused) as refused:
-        apply.server_check([("job.yaml", job())])
+    with pytest.raises(cluster.Refused) as refused:
+        cluster.server_check([("job.yaml", job())])
     assert (
         str(refused.value)
         == "job.yaml: its Job's pods would be refused: forbidden: violates PodSecurity"
@@ -206,7 +206,7 @@ def test_the_error_line_is_the_servers_cause_not_kubectls_dump_after_it():
         '        "DataSourceRef": null,\n'
         "  }\n"
     )
-    assert apply.cause(stderr, 1).startswith(
+    assert cluster.cause(stderr, 1).startswith(
         'The PersistentVolumeClaim "p-runs-rwo" is invalid: spec: Forbidden'
     )
     said = (
@@ -214,11 +214,11 @@ def test_the_error_line_is_the_servers_cause_not_kubectls_dump_after_it():
         "violates\n  }\n"
     )
     assert (
-        apply.cause(said, 1)
+        cluster.cause(said, 1)
         == 'Error from server (Forbidden): error when creating "STDIN": pods "p" is forbidden: '
         "violates"
     )
-    assert apply.cause("error: unknown flag\n", 1) == "error: unknown flag"
+    assert cluster.cause("error: unknown flag\n", 1) == "error: unknown flag"
 
 
 def test_only_what_carries_all_the_projects_labels_is_deleted(folder, monkeypatch, capsys):
@@ -237,7 +237,7 @@ def test_only_what_carries_all_the_projects_labels_is_deleted(folder, monkeypatc
     ]
     mine = [job(), {"kind": "Service", "metadata": {"name": NAME, "labels": meta.labels(NAME)}}]
     fake = Fake(theirs + mine)
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 0
     deleted = [call[3] for call in fake.calls if call[0] == "delete"]
     assert deleted == [f"job/{NAME}", f"service/{NAME}"]
@@ -264,7 +264,7 @@ def test_this_projects_job_under_an_earlier_name_or_namespace_is_named_and_kept(
     )
     theirs = job("q", labels=meta.labels("q") | {meta.PART_OF_LABEL: "another-project"})
     fake = Fake([job(), renamed, moved, theirs])
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if "is this project's training job too" in line]
@@ -286,14 +286,16 @@ def test_where_every_namespace_cannot_be_listed_the_jobs_own_is_and_the_note_say
     folder, monkeypatch, capsys
 ):
     fake = Fake([job("old")], forbid_all=True)
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     assert f"note: Job/old in {NAMESPACE} is this project's training job too" in out
-    monkeypatch.setattr(apply, "kubectl", Fake([]))  # every namespace seen, nothing there: no note
+    monkeypatch.setattr(
+        cluster, "kubectl", Fake([])
+    )  # every namespace seen, nothing there: no note
     assert apply.main(folder) == 0
     assert "note:" not in capsys.readouterr().out
-    monkeypatch.setattr(apply, "kubectl", Fake([], forbid_all=True))
+    monkeypatch.setattr(cluster, "kubectl", Fake([], forbid_all=True))
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     assert (
@@ -309,12 +311,12 @@ def test_an_unchanged_k8s_restarts_nothing(folder, monkeypatch, capsys):
     sent["metadata"]["annotations"] = {}  # as kubectl apply records it
     running = job(annotations={apply.LAST_APPLIED: json.dumps(sent)})
     fake = Fake([running])
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 0
     assert "delete" not in fake.verbs()
     assert capsys.readouterr().out == f"k8s/ is unchanged: job/{NAME} keeps running\n"
     changed = job(annotations={apply.LAST_APPLIED: json.dumps(sent | {"spec": {}})})
-    monkeypatch.setattr(apply, "kubectl", fake := Fake([changed]))
+    monkeypatch.setattr(cluster, "kubectl", fake := Fake([changed]))
     assert apply.main(folder) == 0
     assert "delete" in fake.verbs()
 
@@ -324,7 +326,7 @@ def test_a_new_claim_is_named_in_a_note(folder, monkeypatch, capsys):
     old["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = (
         f"{NAME}-runs-rwx"
     )
-    monkeypatch.setattr(apply, "kubectl", Fake([old]))
+    monkeypatch.setattr(cluster, "kubectl", Fake([old]))
     assert apply.main(folder) == 0
     out = capsys.readouterr().out
     assert (
@@ -365,7 +367,7 @@ def test_files_the_renderer_did_not_write_are_named_in_one_line(
     (folder / file).write_text(text)
     (folder / "notes.txt").write_text("kubectl apply -f reads no .txt\n")
     fake = Fake()
-    monkeypatch.setattr(apply, "kubectl", fake)
+    monkeypatch.setattr(cluster, "kubectl", fake)
     assert apply.main(folder) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err and err.endswith("nothing was changed\n"), err
@@ -385,14 +387,14 @@ def test_files_the_renderer_did_not_write_are_named_in_one_line(
     ],
 )
 def test_ctrl_c_is_one_line_at_every_phase(folder, monkeypatch, capsys, verb, said):
-    monkeypatch.setattr(apply, "kubectl", Fake([job()], on={verb: KeyboardInterrupt()}))
+    monkeypatch.setattr(cluster, "kubectl", Fake([job()], on={verb: KeyboardInterrupt()}))
     assert apply.main(folder) == 130
     assert capsys.readouterr().err == f"make k8s-apply: {said.format(folder=folder)}\n"
 
 
 def test_a_delete_that_does_not_end_says_what_is_left_and_what_to_do(folder, monkeypatch, capsys):
-    stuck = apply.Refused("kubectl delete: error: timed out waiting for the condition on jobs/p")
-    monkeypatch.setattr(apply, "kubectl", Fake([job()], on={"delete": stuck}))
+    stuck = cluster.Refused("kubectl delete: error: timed out waiting for the condition on jobs/p")
+    monkeypatch.setattr(cluster, "kubectl", Fake([job()], on={"delete": stuck}))
     assert apply.main(folder) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
@@ -405,7 +407,7 @@ def test_a_kubectl_call_that_hangs_is_ended(tmp_path, monkeypatch):
     (tmp_path / "kubectl").write_text("#!/bin/sh\nexec sleep 30\n")
     (tmp_path / "kubectl").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(apply, "CALL_TIMEOUT_S", 1)
-    with pytest.raises(apply.TimedOut, match="kubectl get got no answer in 1 s"):
-        apply.kubectl("get", "jobs")
+    monkeypatch.setattr(cluster, "CALL_TIMEOUT_S", 1)
+    with pytest.raises(cluster.TimedOut, match="kubectl get got no answer in 1 s"):
+        cluster.kubectl("get", "jobs")
     assert shutil.which("kubectl") and subprocess  # the fake, first on PATH

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from ddp_project.config.compose import config_problem
 from ddp_project.config.overrides import hydra_overrides
 from ddp_project.core.exits import Exit
-from ddp_project.k8s import apply, meta, pods, render, sync
+from ddp_project.k8s import apply, cluster, meta, pods, render, sync
 from ddp_project.k8s.flavors import FLAVORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,14 +425,14 @@ def pod_and_workload(found: dict, flavor: str) -> tuple[dict, dict]:
 def test_make_k8s_apply_finds_each_flavors_pods_where_its_controller_reads_them(
     compose_train, flavor
 ):
-    """apply.pod_template (each flavor's entry says where): the pods it checks as a bare Pod and
+    """cluster.pod_template (each flavor's entry says where): the pods it checks as a bare Pod and
     whose claims it reads are the ones this file finds, running the launch line."""
     several = ["deploy.nodes=2", "deploy.runs_access_mode=ReadWriteMany"]
     trainjob = ["deploy.rdzv_port=29500"] if flavor == "trainjob" else []
     workload = objects(compose_train, f"deploy.flavor={flavor}", *several, *trainjob)[
         f"{flavor}.yaml"
     ]
-    template = apply.pod_template(workload)
+    template = cluster.pod_template(workload)
     assert template["metadata"] == pod_template(workload, flavor)["metadata"]
     (container,) = template["spec"]["containers"]
     launcher = trainer_container(flavor, workload)
@@ -909,9 +909,9 @@ ANSWERED = [
 def test_kubectl_reaching_no_server_is_told_from_a_server_refusing(said, monkeypatch):
     """make k8s-apply says "the server refuses k8s/" only when a server answered; kubectl's
     own failure to reach one names the server it tried and what to do."""
-    monkeypatch.setattr(apply, "current_context", lambda: "lab")
+    monkeypatch.setattr(cluster, "current_context", lambda: "lab")
     expected = dict(REACHED_NONE).get(said)
-    assert apply.no_server_reached(said) == expected
+    assert cluster.no_server_reached(said) == expected
 
 
 @pytest.mark.parametrize("kubeconfig", [None, "missing"])
@@ -928,15 +928,15 @@ def test_kubectl_without_a_kubeconfig_is_told_so(kubeconfig, tmp_path, monkeypat
         if kubeconfig
         else ("KUBECONFIG is unset and ~/.kube/config does not exist")
     )
-    assert apply.no_server_reached(said) == (
+    assert cluster.no_server_reached(said) == (
         f"no API server: kubectl has no kubeconfig ({why}), so it tried localhost:8080 "
         f"(connection refused); {POINT_IT}"
     )
     (tmp_path / ".kube").mkdir()
     (tmp_path / ".kube" / "config").write_text("apiVersion: v1\n")
     (tmp_path / "missing").write_text("apiVersion: v1\n")  # a kubeconfig whose server is 8080
-    monkeypatch.setattr(apply, "current_context", lambda: None)
-    assert apply.no_server_reached(said) == (
+    monkeypatch.setattr(cluster, "current_context", lambda: None)
+    assert cluster.no_server_reached(said) == (
         "no API server reachable at http://localhost:8080 (connection refused); "
         f"start it, or {POINT_IT}"
     )
@@ -968,7 +968,7 @@ def test_apply_with_no_server_reachable_says_so_in_one_line_and_changes_nothing(
     def interrupted(*args, stdin=None):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(apply, "kubectl", interrupted)
+    monkeypatch.setattr(cluster, "kubectl", interrupted)
     assert apply.main(folder) == 130
     assert capsys.readouterr().err == (
         "make k8s-apply: stopped by SIGINT during the server's dry run; nothing was changed\n"
@@ -1083,17 +1083,17 @@ def test_apply_stopped_after_the_dry_run_says_that_k8s_is_not_applied(
             raise KeyboardInterrupt
         return ""
 
-    monkeypatch.setattr(apply, "kubectl", interrupted)
+    monkeypatch.setattr(cluster, "kubectl", interrupted)
     assert apply.main(folder) == 130
     assert calls == ["apply", "api-resources"]  # the server's dry run came first
     assert capsys.readouterr().err == "make k8s-apply: stopped by SIGINT; nothing was changed\n"
 
     def refusing(*args, stdin=None):
         if args[0] == "apply" and "--dry-run=server" not in args:
-            raise apply.Refused("kubectl apply: Unauthorized")
+            raise cluster.Refused("kubectl apply: Unauthorized")
         return ""
 
-    monkeypatch.setattr(apply, "kubectl", refusing)
+    monkeypatch.setattr(cluster, "kubectl", refusing)
     assert apply.main(folder) == 1
     assert capsys.readouterr().err == (
         f"make k8s-apply: kubectl apply: Unauthorized; {folder}/ may be partly applied: "

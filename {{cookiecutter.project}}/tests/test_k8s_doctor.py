@@ -19,7 +19,7 @@ from test_multinode import NODES, finish, free_port, hosts, node_env  # noqa: F4
 
 from ddp_project import PROJECT, doctor
 from ddp_project.config import compose as check
-from ddp_project.k8s import apply, render
+from ddp_project.k8s import apply, cluster, render
 from ddp_project.k8s import doctor as k8s_doctor
 from ddp_project.k8s.flavors import FLAVORS
 from ddp_project.k8s.meta import COMPONENT_LABEL, NAME_LABEL, PART_OF_LABEL
@@ -56,7 +56,7 @@ def training_pod(flavor: str, workload: dict) -> dict:
         "job": lambda: spec["template"],
         "jobset": lambda: spec["replicatedJobs"][0]["template"]["spec"]["template"],
         "pytorchjob": lambda: spec["pytorchReplicaSpecs"]["Worker"]["template"],
-        "trainjob": lambda: apply.pod_template(workload),
+        "trainjob": lambda: cluster.pod_template(workload),
     }[flavor]()
 
 

@@ -22,6 +22,7 @@ One concern per module, each importing only those above it:
     render.py    k8s/'s files as text, and the notes printed beside them
     sync.py      k8s/ on disk: compared, diffed, or replaced all at once under a lock
     persist.py   overrides into configs/, keeping the YAML as its author wrote it (ruamel.yaml)
+    cluster.py   kubectl's calls, each bounded and its failure one line, and the server's dry run
     __main__.py  the command line above
     apply.py     make k8s-apply
     doctor.py    make k8s-doctor: the doctor's Job, from the same pods, beside the training job

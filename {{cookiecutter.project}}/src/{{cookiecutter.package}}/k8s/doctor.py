@@ -34,7 +34,7 @@ import yaml
 from .. import PACKAGE
 from ..core.cli import WEEK_S, Parser, seconds_up_to
 from ..core.exits import Exit
-from .apply import Refused, TimedOut, Unreachable, kubectl, server_check
+from .cluster import Refused, TimedOut, Unreachable, kubectl, server_check
 from .meta import DOCTOR, NAME_LABEL, identity, manifest
 from .pods import Launch, nccl_env, pod_metadata, pod_spec, torchrun_launch, trainer_container
 from .render import Dumper, deploy_and_profile
