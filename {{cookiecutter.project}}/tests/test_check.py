@@ -38,15 +38,18 @@ BAD = [
     ),
     (
         "trainer.min_lr=-0.001",
-        "trainer.min_lr=-0.001: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.003",
+        "trainer.min_lr=-0.001: must be null (trainer.lr/10) or a finite number from 0 to "
+        "trainer.lr=0.003",
     ),
     (
         "trainer.min_lr=nan",
-        "trainer.min_lr=nan: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.003",
+        "trainer.min_lr=nan: must be null (trainer.lr/10) or a finite number from 0 to "
+        "trainer.lr=0.003",
     ),
     (
         "trainer.lr=0.0001 trainer.min_lr=0.0003",
-        "trainer.min_lr=0.0003: must be null (trainer.lr/10) or a finite number from 0 to trainer.lr=0.0001",
+        "trainer.min_lr=0.0003: must be null (trainer.lr/10) or a finite number from 0 to "
+        "trainer.lr=0.0001",
     ),
     (
         "trainer.val_batches=0",
@@ -171,7 +174,8 @@ BAD = [
     ("nccl.ib_gid_index=three", "nccl.ib_gid_index: Value 'three' of type 'str' could not be"),
     (
         "trainer.max_steps",
-        "trainer.max_steps: not an override Hydra can read (missing EQUAL at '<EOF>'); write key=value",
+        "trainer.max_steps: not an override Hydra can read "
+        "(missing EQUAL at '<EOF>'); write key=value",
     ),
     ("+trainer.foo=1", "trainer.foo: no such key; allowed: max_steps, lr,"),
     ("+foo=1", "foo: no such key; allowed: model, data, logger, trainer, dist, nccl, deploy"),
@@ -179,7 +183,8 @@ BAD = [
     ("+deploy.extra.key=1", "deploy.extra: no such key; allowed: name, image,"),
     (
         "trainer.accept_changes=[trainer.lr",
-        "trainer.accept_changes=[trainer.lr: not an override Hydra can read (no viable alternative at input '[trainer.lr')",
+        "trainer.accept_changes=[trainer.lr: not an override Hydra can read "
+        "(no viable alternative at input '[trainer.lr')",
     ),
     ("dist.timeout_s=99999999999999", "dist.timeout_s=99999999999999: must be 1 to 604800 seconds"),
     ("dist.checkpoint_timeout_s=-1", "dist.checkpoint_timeout_s=-1: must be 1 to 604800 seconds"),
@@ -195,7 +200,8 @@ BAD = [
     ("deploy.max_restarts=-1", "deploy.max_restarts=-1: must be 0 to 2147483647"),
     (
         "deploy.flavor=mpijob",
-        "deploy.flavor: Invalid value 'mpijob', expected one of [job, jobset, pytorchjob, trainjob]",
+        "deploy.flavor: Invalid value 'mpijob', expected one of "
+        "[job, jobset, pytorchjob, trainjob]",
     ),
 ]
 
@@ -238,8 +244,9 @@ def test_a_shard_smaller_than_a_batch_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     problem = config_problem(["data.num_samples=200"])
     assert problem == (
-        "data.batch_size=128: each optimizer step takes 2 process(es) × 128 × trainer.grad_accumulation 1 = 256 of "
-        "the 200 training samples of data.num_samples=200; use a batch size of at most 100"
+        "data.batch_size=128: each optimizer step takes 2 process(es) × 128 × "
+        "trainer.grad_accumulation 1 = 256 of the 200 training samples of data.num_samples=200; "
+        "use a batch size of at most 100"
     )
 
 
@@ -290,7 +297,8 @@ def test_nccl_values_work_as_nccl_writes_them(overrides, env):
 
 
 def test_train_reads_nccl_values_as_nccl_writes_them(tmp_path):
-    """train's own command line (overrides.hydra_argv), which the launcher hands the overrides to."""
+    """train's own command line (overrides.hydra_argv), which the launcher hands the
+    overrides to."""
     done = subprocess.run(
         [
             sys.executable,
@@ -389,15 +397,18 @@ def test_train_s_task_config_keeps_the_profile_its_hydra_node_chose(configs_copy
 NOT_YAML = [
     (
         b"trainer:\n\tmax_steps: 3\n",
-        "line 2, column 1: not YAML: found character '\\t' that cannot start any token (indent YAML with spaces)",
+        "line 2, column 1: not YAML: found character '\\t' that cannot start any token "
+        "(indent YAML with spaces)",
     ),
     (
         b"trainer: [1, 2\nfoo: 1\n",
-        "line 2, column 4: not YAML: expected ',' or ']', but got ':' (while parsing a flow sequence from line 1)",
+        "line 2, column 4: not YAML: expected ',' or ']', but got ':' "
+        "(while parsing a flow sequence from line 1)",
     ),
     (
         b"trainer:\n  a: 1\n  a: 2\n",
-        "line 3, column 3: not YAML: found duplicate key a (while constructing a mapping from line 2)",
+        "line 3, column 3: not YAML: found duplicate key a "
+        "(while constructing a mapping from line 2)",
     ),
     (b"\xff\xfe\x00", ": not UTF-8 text (byte 0): not a YAML file"),
     (b"42\n", ": holds a int; a config file holds keys and values"),
@@ -405,8 +416,8 @@ NOT_YAML = [
     # Hydra reads the header up to the first plain comment: this one puts the keys under local.
     (
         b"# this machine\n# @package _global_\ntrainer:\n  max_steps: 3\n",
-        ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml has it): "
-        "Hydra reads it there only, and without it puts the keys under `local`",
+        ": needs `# @package _global_` as its first line (as configs/experiment/smoke.yaml "
+        "has it): Hydra reads it there only, and without it puts the keys under `local`",
     ),
 ]
 

@@ -14,7 +14,8 @@ from ddp_project.nccl import failfast
 
 NCCL_TIMEOUT = (
     "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
-    "NumelIn=1048576, NumelOut=1048576, Timeout(ms)=600000) ran for 600013 milliseconds before timing out."
+    "NumelIn=1048576, NumelOut=1048576, Timeout(ms)=600000) ran for 600013 milliseconds "
+    "before timing out."
 )
 
 
@@ -79,7 +80,8 @@ DEAD_PEER = [
     ("nccl", "NCCL error: remote process exited or there was a network error, NCCL version 2.28.9"),
     (
         "nccl",
-        "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
+        "ncclRemoteError: A call failed possibly due to a network error or a remote process "
+        "exiting prematurely.",
     ),
 ]
 
@@ -104,7 +106,10 @@ def test_a_peer_that_died_is_named_as_such_with_no_transport_advice(backend, mes
 
 
 def test_gloo_never_gets_nccl_advice_even_at_the_gate():
-    message = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv"
+    message = (
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+        "Timed out waiting 60000ms for recv"
+    )
     block = block_for(message, phase=failfast.GATE_PHASE, backend="gloo")
     assert "NCCL" not in block and "peer-to-peer" not in block
 

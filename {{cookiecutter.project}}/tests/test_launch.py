@@ -49,7 +49,8 @@ def stderr_lines(stderr: str) -> list[str]:
     [
         (
             ["trainer.max_stepz=3"],
-            "config error: trainer.max_stepz: no such key; did you mean trainer.max_steps? allowed: max_steps,",
+            "config error: trainer.max_stepz: no such key; "
+            "did you mean trainer.max_steps? allowed: max_steps,",
         ),
         (["+trainer.foo=1"], "config error: trainer.foo: no such key;"),
         (["trainer.lr=nan"], "config error: trainer.lr=nan: must be a finite number above 0"),

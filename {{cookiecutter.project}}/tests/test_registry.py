@@ -1,8 +1,8 @@
-"""A model and a data set added through the registry alone, as docs/configuration.md's "Adding a model, a
-dataset or a logger" says: a YAML file in configs/<group>/ and a registered schema and builder for
-each, no other edit. They compose, are checked, train and are scored, in this process. A model
-with the same keys as another is told apart by the option its checkpoints record; a registration
-that takes another's name is refused where the schemas are first used."""
+"""A model and a data set added through the registry alone, as docs/configuration.md's "Adding a
+model, a dataset or a logger" says: a YAML file in configs/<group>/ and a registered schema and
+builder for each, no other edit. They compose, are checked, train and are scored, in this
+process. A model with the same keys as another is told apart by the option its checkpoints
+record; a registration that takes another's name is refused where the schemas are first used."""
 
 import inspect
 import json
@@ -20,7 +20,8 @@ from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import ddp_project.data  # noqa: F401  (the options' builders, as train imports them)
+# The options' builders, as train imports them.
+import ddp_project.data  # noqa: F401
 from ddp_project import evaluate
 from ddp_project.config import options, registry, validate
 from ddp_project.config.compose import compose_and_check
@@ -380,7 +381,8 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path, comm
     """A module that registers model=mlp before config/options.py does: `python -m <package>.check`
     and train end as it composes, with one line and exit 2, no traceback."""
     (tmp_path / "mine.py").write_text(
-        "from dataclasses import dataclass\n\nfrom ddp_project.config.registry import option\n\n\n"
+        "from dataclasses import dataclass\n\n"
+        "from ddp_project.config.registry import option\n\n\n"
         "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
         "@dataclass\nclass MyMlpConfig:\n    width: int = 0\n"
     )

@@ -96,7 +96,10 @@ def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(
         wait_for_metrics(first, tmp_path / "run")
         hydra_files = {p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()}
         holder = json.loads((tmp_path / "run" / ".lock").read_text())
-        expected = f"config error: hydra.run.dir=run: in use by pid {holder['pid']} on {socket.gethostname()}"
+        expected = (
+            f"config error: hydra.run.dir=run: in use by pid {holder['pid']} "
+            f"on {socket.gethostname()}"
+        )
         code, said = launcher_refusal(  # the launcher's check, in this process
             tmp_path, monkeypatch, capsys, "trainer.max_steps=50", "hydra.run.dir=run"
         )
@@ -171,7 +174,8 @@ def test_a_resume_that_would_change_results_is_refused_listing_every_difference(
 def test_an_accepted_change_resumes_with_it_and_what_does_not_change_results_may_change(
     trained, monkeypatch
 ):
-    """Only trainer.lr is accepted: the other keys changed here change no result, and need not be."""
+    """Only trainer.lr is accepted: the other keys changed here change no result, and need
+    not be."""
     done = launch(
         trained,
         "trainer.max_steps=20",
@@ -465,7 +469,8 @@ def test_a_sweep_that_would_change_results_is_refused_like_a_run(swept, tmp_path
 
 
 def sweep_job_config(sweep_dir, job: int):
-    """The config Hydra hands a sweep's job to its callbacks (hydra.runtime set as run_job sets it)."""
+    """The config Hydra hands a sweep's job to its callbacks (hydra.runtime set as
+    run_job sets it)."""
     register_configs()
     with initialize_config_module(config_module=f"{PACKAGE}.configs", version_base="1.3"):
         cfg = compose(

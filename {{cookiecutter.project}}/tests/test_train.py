@@ -34,7 +34,9 @@ RECORD_ENV_AT_INIT = textwrap.dedent(
 
     def _recording_init(*args, **kwargs):
         seen = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-        path = os.path.join(os.environ["INIT_ENV_RECORD_DIR"], f"rank{os.environ.get('RANK', 0)}.json")
+        path = os.path.join(
+            os.environ["INIT_ENV_RECORD_DIR"], f"rank{os.environ.get('RANK', 0)}.json"
+        )
         with open(path, "w") as out:
             json.dump(seen, out)
         return _init(*args, **kwargs)
@@ -374,7 +376,8 @@ def test_the_gpt_learns_the_token_rule_and_no_better(gpt_run):
 def test_every_launch_mode_names_its_run_dir_the_same_way(tmp_path, launched_run, gpt_run):
     """A sortable start time and a short id, agreed by every rank: under the launcher
     (launched_run), under plain python (gpt_run), and for a -m sweep (numbered runs below it);
-    torchrun alone: test_gradient_accumulation_matches_one_large_batch_and_torchrun_names_its_run_dir."""
+    torchrun alone:
+    test_gradient_accumulation_matches_one_large_batch_and_torchrun_names_its_run_dir."""
     sweep = python_train(tmp_path, "-m", "trainer.max_steps=1,2")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     runs = {

@@ -1,14 +1,14 @@
 """Is the template's loop as fast as a hand-written DDP loop? Both, interleaved, in one launch.
 
-    python -m {{ cookiecutter.package }}.bench                                   # the default model
-    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m               # the 134M-parameter MLP
-    python -m {{ cookiecutter.package }}.bench experiment=gpt2_small --pairs 7   # GPT-2 small's shape
+    python -m {{ cookiecutter.package }}.bench                      # the default model
+    python -m {{ cookiecutter.package }}.bench experiment=mlp_134m  # the 134M-parameter MLP
+    python -m {{ cookiecutter.package }}.bench experiment=gpt2_small --pairs 7  # GPT-2 small
     python -m {{ cookiecutter.package }}.bench experiment=mlp_134m dist.bucket_cap_mb=25 --json b25.json
 
 One torchrun launch over every local GPU (2 CPU processes without CUDA) times, pair after pair:
   - the template: trainer.Trainer, the loop that train runs, with the overrides given and
-    checkpoints and validation off, timed by its own log windows (trainer.log_every steps, at most 50: what a
-    run logs, it pays for here too);
+    checkpoints and validation off, timed by its own log windows (trainer.log_every steps, at
+    most 50: what a run logs, it pays for here too);
   - the reference: a minimal hand-written DDP loop with the same model, optimizer, autocast, DDP
     knobs and micro-batches, on fixed batches already on the device, timed over windows as long,
     each ending in a synchronisation as the template's do;
@@ -22,7 +22,7 @@ NCCL settings. Then, on every process, what the config's checkpoints and validat
 what its log rows say it held training up), and the steady-state goodput that makes at the
 config's own cadence: step time over step time plus that cost spread over the steps between.
 It prints a table and writes every figure as JSON (--json).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -449,8 +449,9 @@ def render(report: dict) -> str:
             f"scaling efficiency 1 -> {n}: template {cell(efficiency['template'])}, "
             f"reference {cell(efficiency['reference'])}",
             f"all-reduce of the gradients ({allreduce_figures['mib']:.0f} MiB fp32): "
-            f"{allreduce_figures['time_ms']:.2f} ms, {allreduce_figures['busbw_gbps']:.1f} GB/s bus "
-            f"bandwidth; the {n}-{'GPU' if gpus else 'process'} step is "
+            f"{allreduce_figures['time_ms']:.2f} ms, "
+            f"{allreduce_figures['busbw_gbps']:.1f} GB/s bus bandwidth; "
+            f"the {n}-{'GPU' if gpus else 'process'} step is "
             f"{report['exposed_comm_ms']:.2f} ms longer than one "
             f"({report['comm_hidden_share']:.0%} of the all-reduce hidden)",
         ]

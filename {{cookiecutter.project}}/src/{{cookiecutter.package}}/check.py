@@ -1,6 +1,7 @@
 """Check a training config before anything starts, and explain a bad one in one line.
 
-    python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe   # exit 2 and one line, or 0
+    # exit 2 and one line, or 0
+    python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe
 
 train runs the same check (config.compose.ConfigCheck) once Hydra has composed its config; the
 launcher runs it before torchrun starts.

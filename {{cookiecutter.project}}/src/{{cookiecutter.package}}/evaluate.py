@@ -1,17 +1,20 @@
 """Evaluate a checkpoint on the held-out data its run never trained on, on one or more processes.
 
-    python -m {{ cookiecutter.package }}.evaluate ckpt=latest                          # the newest checkpoint of the newest run in outputs/
-    python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>                   # the newest checkpoint of that run
+    # the newest checkpoint of the newest run in outputs/
+    python -m {{ cookiecutter.package }}.evaluate ckpt=latest
+    # the newest checkpoint of that run
+    python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>
     python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.pt data.batch_size=512
-    python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.dcp   # a folder: trainer.checkpoint_format=dcp
+    # a folder: trainer.checkpoint_format=dcp
+    python -m {{ cookiecutter.package }}.evaluate ckpt=outputs/<run>/checkpoints/step_000000300.dcp
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.evaluate ckpt=latest
 
 The model and data are the checkpoint's own (its config, and the options it records: model=mlp,
 data=synthetic); overrides may change how the data is read (batch size, workers, backend), not
 what it is. A checkpoint written before checkpoints recorded their options, whose keys fit two
-options, needs model=<name> (or data=<name>) to say which. Each process scores its shard; the loss and
-accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one printed line.
-"""
+options, needs model=<name> (or data=<name>) to say which. Each process scores its shard; the loss
+and accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one printed line.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -162,7 +165,10 @@ def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, d
     note = ""
     if passed:
         more = f" and {len(passed) - 2} more" if len(passed) > 2 else ""
-        note = f"ckpt={ckpt}: scoring {found}, the newest that loads; passed over {'; '.join(passed[:2])}{more}"
+        note = (
+            f"ckpt={ckpt}: scoring {found}, the newest that loads; "
+            f"passed over {'; '.join(passed[:2])}{more}"
+        )
     return found, state, note
 
 
@@ -181,7 +187,8 @@ def parse(args: list[str]) -> tuple[str, list[str], dict[str, str]]:
             overrides.append(arg)
         else:
             raise ConfigError(
-                f"{key}: the checkpoint's config decides it; an evaluation may set {', '.join(ADJUSTABLE)}"
+                f"{key}: the checkpoint's config decides it; an evaluation may set "
+                f"{', '.join(ADJUSTABLE)}"
             )
     return ckpt, overrides, told
 
@@ -309,7 +316,8 @@ def main() -> int:
     except OSError as err:  # the score was paid for: print it whatever the disk says
         print(score, flush=True)
         print(
-            f"evaluate: could not save {out}: {err.strerror or err}; the score above is all there is",
+            f"evaluate: could not save {out}: {err.strerror or err}; "
+            "the score above is all there is",
             file=sys.stderr,
         )
         return Exit.FAILED

@@ -1,6 +1,6 @@
 """`{{ cookiecutter.project }} train`: check the config, start torchrun, and end in one line.
 
-    {{ cookiecutter.project }} train                                  # every local GPU (2 CPU processes without one)
+    {{ cookiecutter.project }} train  # every local GPU (2 CPU processes without one)
     {{ cookiecutter.project }} train nccl=pcie_safe trainer.max_steps=1000
     {{ cookiecutter.project }} train --nproc-per-node 4 experiment=gpt2_small
     {{ cookiecutter.project }} train --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29500
@@ -12,7 +12,7 @@ torchrun's traceback gives way to one line naming the process that failed first 
 process printed its own: a config error, a divergence), and the launcher exits with that
 process's code: 2 config, 3 collective failure, 4 diverged, 130 Ctrl-C, 143 SIGTERM. A process
 the kernel killed for memory is named as such, with the figures and a smaller setting to try.
-"""
+"""  # noqa: E501
 
 # ruff: noqa: E402 (the imports after the signal handlers below)
 from __future__ import annotations
@@ -371,8 +371,9 @@ def supervise(
                     return Exit.FAILED
                 seconds = rendezvous_timeout(parsed, "read_timeout")
                 say(
-                    f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained with: "
-                    f"its host (pod 0) is gone; joining its replacement's, for up to {seconds} s"
+                    f": lost the rendezvous at {parsed.rdzv_endpoint}, which this node trained "
+                    f"with: its host (pod 0) is gone; joining its replacement's, for up to "
+                    f"{seconds} s"
                 )
                 hear_stops()
             except RendezvousError as err:

@@ -1,16 +1,18 @@
 """Train with DistributedDataParallel: the launch. The loop itself is run/trainer.py.
 
-    {{ cookiecutter.project }} train                                           # launch.py: checks, then torchrun on every GPU
-    python -m {{ cookiecutter.package }}.train                                     # one process
-    torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train   # 2 GPUs, else 2 CPU processes
+    {{ cookiecutter.project }} train  # launch.py: checks, then torchrun on every GPU
+    python -m {{ cookiecutter.package }}.train  # one process
+    # 2 GPUs, else 2 CPU processes
+    torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl=pcie_safe trainer.max_steps=1000
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train nccl.debug=INFO nccl.p2p_disable=false
     torchrun --standalone --nproc-per-node 2 -m {{ cookiecutter.package }}.train experiment=gpt2_small
-    python -m {{ cookiecutter.package }}.train --cfg job                          # print the composed config
+    python -m {{ cookiecutter.package }}.train --cfg job  # print the composed config
 
-Hydra composes configs/train.yaml once per process and config.compose.ConfigCheck validates it, once, before
-the run dir exists; main runs with that checked config. Rank and world size come from torchrun's environment, read once (World).
-"""
+Hydra composes configs/train.yaml once per process and config.compose.ConfigCheck validates it,
+once, before the run dir exists; main runs with that checked config. Rank and world size come from
+torchrun's environment, read once (World).
+"""  # noqa: E501
 
 # ruff: noqa: E402 (the imports after the stop handler below)
 import os
@@ -52,7 +54,8 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import PACKAGE, PROJECT, data, model  # noqa: F401  (the user's options: their @builds register the builders)
+# data and model: the user's options, whose @builds register the builders.
+from . import PACKAGE, PROJECT, data, model  # noqa: F401
 from .config.error import ConfigError
 from .config.logger_probes import LoggerError
 from .config.overrides import hydra_argv
@@ -95,7 +98,8 @@ def report_collective_failure(
         print(block, file=sys.stderr, flush=True)
     else:
         print(
-            f"rank {world.rank}: {failure.collective} #{failure.sequence} failed too; see the first report above",
+            f"rank {world.rank}: {failure.collective} #{failure.sequence} failed too; "
+            "see the first report above",
             file=sys.stderr,
             flush=True,
         )
@@ -167,7 +171,8 @@ def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[s
             # os._exit skips destroying the group: on a wedged communicator that can hang for good.
             os._exit(Exit.COLLECTIVE_FAILED)
 
-        # Backstop for a collective that neither finishes nor raises (NCCL's watchdog gets the first go).
+        # Backstop for a collective that neither finishes nor raises
+        # (NCCL's watchdog gets the first go).
         watchdog = failfast.StallWatchdog(
             cfg.dist.timeout_s + failfast.STALL_MARGIN_S, on_stall=fail
         )

@@ -114,7 +114,10 @@ def compose_and_check(
 
 
 def no_such_option(group: str, name: str, options: list[str]) -> str:
-    return f"{group}={name}: no such option; {did_you_mean(name, options)}allowed: {', '.join(options)}"
+    return (
+        f"{group}={name}: no such option; {did_you_mean(name, options)}"
+        f"allowed: {', '.join(options)}"
+    )
 
 
 def unknown_option(err: MissingConfigException) -> str:
@@ -208,7 +211,8 @@ class ConfigCheck(Callback):
             self.check(config)  # each job of a sweep, with its own overrides
 
     def check(self, composed: DictConfig) -> TrainConfig:
-        """A job's composed config, checked, or one `config error:` line and exit 2 on every rank."""
+        """A job's composed config, checked, or one `config error:` line and exit 2 on
+        every rank."""
         try:
             config = check_composed(composed, self.world)
             check_loggers(config)

@@ -23,7 +23,8 @@ NCCL_TEXT_KEY = re.compile(
 )
 # The deploy group's maps: their keys are the user's, so an override may add one.
 MAP_KEY = re.compile(
-    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations|env|secret_env)[.=]"
+    r"\+{0,2}deploy\.(node_selector|affinity|extra_resources|pod_labels|pod_annotations|"
+    r"env|secret_env)[.=]"
 )
 SWEEP_FUNCTION = re.compile(r"\w+\(.*\)", re.DOTALL)  # choice(a,b), range(...), glob(...)
 
@@ -47,7 +48,8 @@ def hydra_overrides(overrides: list[str]) -> list[str]:
       nccl.debug_subsys=INIT,NET (or [INIT,NET])  ->  nccl.debug_subsys='INIT,NET'
       nccl.env.NCCL_ALGO=Ring                      ->  ++nccl.env.NCCL_ALGO='Ring'  (adds the key)
       nccl.env={NCCL_ALGO:Ring}                    ->  ++nccl.env={NCCL_ALGO:Ring}
-      deploy.node_selector={pool:gpu}              ->  ++deploy.node_selector={pool:gpu}  (any deploy map)
+      deploy.node_selector={pool:gpu}              ->  ++deploy.node_selector={pool:gpu}
+                                                       (and any other deploy map)
     Under -m too: a bare comma list is NCCL's list, never a sweep; sweep with choice(Ring,Tree).
     Other arguments pass as given, and a rewritten override rewritten again stays the same."""
     rewritten = []

@@ -10,16 +10,16 @@ because checking a config (and rendering k8s/) reads the schemas without importi
                       or None for nothing to start
 Everything that differs between options reads these two: Hydra's ConfigStore
 (config.register_configs), the model-and-data check (validate.check_combinations), the schema of a
-checkpoint's config (validate.from_saved), the logger group's keys (logger_config.LoggersConfig) and their
-packages, build_model, build_dataset and loggers.build.
+checkpoint's config (validate.from_saved), the logger group's keys (logger_config.LoggersConfig)
+and their packages, build_model, build_dataset and loggers.build.
 
 A checkpoint records the option of each group its values fill (chosen(): model=mlp, data=synthetic),
 because two options may have the same keys: their values alone cannot tell which schema and
 builder wrote them. So an option's name, and its schema's name in the ConfigStore (stored_as), are
 its own within its group: a second registration of either is refused, in one line that names
 both places (option()); found at import, where no caller can turn it into one line, it is raised
-as ConfigError by the first use of the schemas (stored_options(): composing, checking). Schema names are unique across groups too: the ConfigStore holds
-them at its root.
+as ConfigError by the first use of the schemas (stored_options(): composing, checking). Schema
+names are unique across groups too: the ConfigStore holds them at its root.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def option(
         new = Option(group, name, schema, what, stored_as, reads, package, where)
         if stored_as in ROOT_NAMES:
             CLASHES.append(
-                f"{group}={name}: stored_as={stored_as!r} ({schema.__name__} at {where}) is the name of "
-                f"the primary config's own; each option's schema needs a name of its own, e.g. "
-                f"stored_as='{name}_schema'"
+                f"{group}={name}: stored_as={stored_as!r} ({schema.__name__} at {where}) is the "
+                f"name of the primary config's own; each option's schema needs a name of its own, "
+                f"e.g. stored_as='{name}_schema'"
             )
             return schema
         for old in [o for o in OPTIONS.values() if not same(o.schema, schema)]:
@@ -113,7 +113,8 @@ def collision(old: Option, new: Option) -> str | None:
         return (
             f"{new.group}={new.name}: stored_as={new.stored_as!r} ({here}) is already "
             f"{old.group}={old.name}'s ({there}); each option's schema needs a name of its own, "
-            f"e.g. stored_as='{new.name}_schema', named first in configs/{new.group}/{new.name}.yaml"
+            f"e.g. stored_as='{new.name}_schema', named first in "
+            f"configs/{new.group}/{new.name}.yaml"
         )
     return None
 
@@ -181,7 +182,8 @@ def builder_of(config: Any) -> Callable[..., Any]:
     schema = type(config)
     if schema not in BUILDERS:
         raise LookupError(
-            f"{schema.__name__}: nothing builds it; register a builder with @builds({schema.__name__}) "
-            f"in a module the command imports (model.py and data.py: train, evaluate and bench do)"
+            f"{schema.__name__}: nothing builds it; register a builder with "
+            f"@builds({schema.__name__}) in a module the command imports (model.py and data.py: "
+            f"train, evaluate and bench do)"
         )
     return BUILDERS[schema]

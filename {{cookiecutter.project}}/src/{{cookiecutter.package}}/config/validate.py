@@ -47,8 +47,9 @@ def check_devices(config: TrainConfig, world: World) -> None:
 
 def check_data(config: TrainConfig, world: World, held_out: bool = False) -> None:
     """Training: an epoch needs one optimizer step's samples (processes × data.batch_size ×
-    trainer.grad_accumulation; data.StepBatches), or it never takes a step. Evaluation (held_out), and training that validates: every process needs a held-out
-    sample; its last batch may be short, so any batch size does."""
+    trainer.grad_accumulation; data.StepBatches), or it never takes a step. Evaluation (held_out),
+    and training that validates: every process needs a held-out sample; its last batch may be
+    short, so any batch size does."""
     if held_out or config.trainer.val_every:
         samples, source = config.data.held_out_samples()
         if samples < world.size:
@@ -76,9 +77,9 @@ def check_data(config: TrainConfig, world: World, held_out: bool = False) -> Non
         most >= batch,
         "data.batch_size",
         batch,
-        f"each optimizer step takes {world.size} process(es) × {batch} × trainer.grad_accumulation "
-        f"{accumulation} = {world.size * batch * accumulation} of the {samples} training samples "
-        f"of {source}; {todo}",
+        f"each optimizer step takes {world.size} process(es) × {batch} × "
+        f"trainer.grad_accumulation {accumulation} = {world.size * batch * accumulation} of the "
+        f"{samples} training samples of {source}; {todo}",
     )
 
 
@@ -186,7 +187,8 @@ def check_accept_changes(config: TrainConfig) -> None:
             raise ConfigError(
                 f"trainer.accept_changes: {entry or repr(entry)} is no key of the config; {hint}"
                 "allowed: a group "
-                f"({', '.join(f.name for f in fields(TrainConfig))}) or a key in one, e.g. trainer.lr"
+                f"({', '.join(f.name for f in fields(TrainConfig))}) or a key in one, "
+                "e.g. trainer.lr"
             )
 
 

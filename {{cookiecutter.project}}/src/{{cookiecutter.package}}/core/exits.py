@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 
 class Exit(IntEnum):
-    """(code, fails_job, meaning): the meaning is docs/exit-codes.md's and the Job's reading of it."""
+    """(code, fails_job, meaning): the meaning is docs/exit-codes.md's and the Job's
+    reading of it."""
 
     fails_job: bool
     meaning: str

@@ -76,7 +76,8 @@ def gate(device: torch.device, timeout_s: float) -> None:
     wrong = int((values != expected).sum())
     if wrong:
         raise GateFailed(
-            f"the gate all-reduce returned {wrong} wrong values (expected {expected:g}): data corruption"
+            f"the gate all-reduce returned {wrong} wrong values (expected {expected:g}): "
+            "data corruption"
         )
 
 

@@ -5,7 +5,7 @@ Local rank 0 probes once per node and publishes the result; the other local rank
 every rank decides from identical facts. Broken PCIe P2P usually hangs rather than fails, so each
 peer copy runs in its own process under a hard timeout:
 
-    python -m {{ cookiecutter.package }}.nccl.probe --peer-copy 0 1     # exit 0: data arrived intact
+    python -m {{ cookiecutter.package }}.nccl.probe --peer-copy 0 1  # exit 0: data intact
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def probe_node(
     command: Callable[[int, int], list[str]] = peer_copy_command,
     count: Callable[[], int] = gpu_count,
 ) -> NodeFacts:
-    """Everything `auto` decides from: links by NVML or nvidia-smi, and a peer copy per PCIe pair."""
+    """Everything `auto` decides from: links by NVML or nvidia-smi, and a peer copy per
+    PCIe pair."""
     started = time.perf_counter()
     facts = basic_facts(world, count)
     gpus = facts.gpu_count

@@ -1,8 +1,8 @@
 """Rank 0's record of a run, in its run dir: metrics.csv and metrics.jsonl, TensorBoard events,
 a progress bar on a terminal (log lines elsewhere), and metrics.png at the end.
 
-    tensorboard --logdir outputs                        # every run under outputs/ (make tensorboard)
-    python -m {{ cookiecutter.package }}.metrics outputs/<run>          # redraw <run>/metrics.png (main)
+    tensorboard --logdir outputs                 # every run under outputs/ (make tensorboard)
+    python -m {{ cookiecutter.package }}.metrics outputs/<run>  # redraw its metrics.png (main)
 """
 
 import argparse
@@ -208,7 +208,8 @@ def replace(path: Path, text: str) -> None:
 
 
 def warn_unreadable(path: Path, numbers: list[int], total: int) -> None:
-    """A kill in the middle of a write leaves the last line cut short; the run goes on without it."""
+    """A kill in the middle of a write leaves the last line cut short; the run goes on
+    without it."""
     if numbers == [total]:
         what = f"its last line ({total}) is cut short, as a run killed while writing it leaves it"
     else:
@@ -298,7 +299,8 @@ def plot_metrics(run_dir: Path) -> Path | None:
     if validated:
         loss.plot(*zip(*validated, strict=True), marker="o", color="tab:orange", label="held out")
         loss.legend()
-    # A log scale where the loss falls by more than 10x; ticks as plain numbers (2.05, not 2.05 x 10^0).
+    # A log scale where the loss falls by more than 10x; ticks as plain numbers
+    # (2.05, not 2.05 x 10^0).
     shown = losses + [value for _, value in validated]
     spread = max(shown) / min(shown) if min(shown) > 0 else 1
     loss.set(
