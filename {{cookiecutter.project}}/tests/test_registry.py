@@ -386,11 +386,12 @@ def test_a_collision_in_a_users_module_ends_a_command_in_one_line(tmp_path, comm
         "@option('model', 'mlp', 'my MLP', stored_as='my_mlp_schema')\n"
         "@dataclass\nclass MyMlpConfig:\n    width: int = 0\n"
     )
+    module = f"ddp_project.{command}"
     done = subprocess.run(
         [
             sys.executable,
             "-c",
-            f"import mine, runpy; runpy.run_module('ddp_project.{command}', run_name='__main__')",
+            f"import mine, runpy; runpy.run_module({module!r}, run_name='__main__')",
             "model=mlp",
         ],
         cwd=tmp_path,
