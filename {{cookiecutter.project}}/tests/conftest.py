@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -310,3 +312,24 @@ def hang_one_rank(
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class NotMlflow(BaseHTTPRequestHandler):
+    """A server that answers, so that the check passes, but not as MLflow: 404 to everything."""
+
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    do_POST = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def not_mlflow():
+    """http://127.0.0.1:<port> of a NotMlflow server, for as long as the test runs."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotMlflow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

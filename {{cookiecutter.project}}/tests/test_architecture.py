@@ -84,34 +84,49 @@ def is_command(name: str, path: Path) -> bool:
 
 
 # Ending the process: a command's to do. Below the commands, code raises (ConfigError, its
-# message the line to print) and the command decides how it ends.
-EXITS = {"sys.exit", "os._exit", "exit_with_error"}
+# message the line to print) and the command decides how it ends. An exit is a call of sys.exit,
+# os._exit or exit_with_error (however imported), any `.exit(...)` (argparse's), or `raise
+# SystemExit`.
+EXIT_NAMES = {"exit", "_exit", "exit_with_error"}
 # Where the process ends outside a command, each with its reason.
 ALLOWED_EXITS = {
     # exit_with_error itself: what commands and callbacks call
     "core.exits",
+    # argparse's error(), as one line: only a command's parse_args reaches it
+    "core.cli",
     # a stop signal's handler (or the step a stop waited for) ends the process where it lands
     "run.stopping",
 }
 
 
-def exit_calls(path: Path) -> Iterator[tuple[str, int]]:
-    """(what, line) for each way `path` ends the process outside a Hydra callback's methods: a
-    call of sys.exit, os._exit or exit_with_error, or `raise SystemExit`. A Hydra callback is
-    where Hydra hands the train command control, and ends it as a command does."""
+def exit_calls(path: Path, wing_command: bool) -> Iterator[tuple[str, int]]:
+    """(what, line) for each way `path` ends the process, outside a Hydra callback's methods (where
+    Hydra hands the train command control, and which end it as a command does). In a wing module
+    that python -m also runs (`wing_command`: k8s.apply, nccl.probe), its own entry point may: the
+    `if __name__ == "__main__":` block and its main() or cli()."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    callbacks = [
+    exempt = [
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef)
         and any(ast.unparse(base).endswith("Callback") for base in node.bases)
     ]
-    inside = {id(inner) for callback in callbacks for inner in ast.walk(callback)}
+    if wing_command:
+        exempt += [
+            node
+            for node in tree.body
+            if (isinstance(node, ast.FunctionDef) and node.name in ("main", "cli"))
+            or (isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))
+        ]
+    inside = {id(inner) for node in exempt for inner in ast.walk(node)}
     for node in ast.walk(tree):
         if id(node) in inside:
             continue
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in EXITS:
-            yield ast.unparse(node.func), node.lineno
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in EXIT_NAMES:
+                yield ast.unparse(func), node.lineno
         elif isinstance(node, ast.Raise) and node.exc is not None:
             raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
             if ast.unparse(raised) == "SystemExit":
@@ -119,8 +134,13 @@ def exit_calls(path: Path) -> Iterator[tuple[str, int]]:
 
 
 def runs_as_main(path: Path) -> bool:
-    """A command: python -m runs it (the top's commands, and a wing's own, such as k8s.apply)."""
+    """python -m runs it: a command at the top, or a wing's own (k8s.apply, nccl.probe)."""
     return 'if __name__ == "__main__":' in path.read_text(encoding="utf-8")
+
+
+def at_the_top(name: str, path: Path) -> bool:
+    """A command whose whole module is its own: the top's commands, and every __main__."""
+    return is_command(name, path) or name.endswith("__main__")
 
 
 def problems(root: Path) -> list[str]:
@@ -130,8 +150,8 @@ def problems(root: Path) -> list[str]:
         f"{name}:{line} ends the process ({what}): only a command or a Hydra callback may; raise "
         "ConfigError (or an error of its own) for the command to end on"
         for name, path in known.items()
-        if name not in ALLOWED_EXITS and not runs_as_main(path)
-        for what, line in exit_calls(path)
+        if name not in ALLOWED_EXITS and not at_the_top(name, path)
+        for what, line in exit_calls(path, wing_command=runs_as_main(path))
     ]
     graph = {name: set(imported(name, path, known)) - {name} for name, path in known.items()}
     for name, targets in sorted(graph.items()):
@@ -241,6 +261,16 @@ def plant(root: Path, module: str, line: str) -> None:
             "def corrupt():\n    raise SystemExit('wrong values')",
             "record.perf:",
         ),
+        (
+            "nccl/probe.py",
+            "def refused():\n    exits.exit_with_error('no', World())",
+            "nccl.probe:",
+        ),
+        (
+            "config/overrides.py",
+            "def refused(parser):\n    parser.exit(2, 'no')",
+            "config.overrides:",
+        ),
     ],
     ids=[
         "wing-upward",
@@ -253,6 +283,8 @@ def plant(root: Path, module: str, line: str) -> None:
         "exit-in-a-helper",
         "exit-with-error-outside-a-callback",
         "system-exit",
+        "exit-in-a-wing-commands-helper",
+        "argparse-exit-in-a-helper",
     ],
 )
 def test_a_planted_break_is_named(planted, module, line, said):

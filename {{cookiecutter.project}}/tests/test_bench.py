@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import PACKAGE
+from conftest import PACKAGE, needs
 from omegaconf import OmegaConf
 
 from ddp_project import bench
@@ -336,3 +336,35 @@ def test_a_failed_launch_names_the_root_cause(monkeypatch):
     with pytest.raises(bench.BenchFailed) as failed:
         bench.run_workers(args, 2)
     assert str(failed.value) == f"exit 1: {cause}"
+
+
+@pytest.mark.slow
+@needs("mlflow")
+def test_a_logger_that_cannot_start_ends_the_bench_in_one_line(tmp_path, not_mlflow):
+    """As in train (test_metrics): rank 0's logger fails to start after the check passed; the
+    bench says so in its one line, which carries rank 0's own."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            f"{PACKAGE}.bench",
+            "--pairs",
+            "1",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "logger=mlflow",
+            f"logger.mlflow.tracking_uri={not_mlflow}",
+            "dist.timeout_s=60",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("bench failed: ") and "Traceback" not in done.stderr
+    assert f"config error: logger.mlflow: could not start ({not_mlflow}): " in line
+    assert list(tmp_path.iterdir()) == []  # no figures: nothing was measured

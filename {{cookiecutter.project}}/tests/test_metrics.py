@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PACKAGE, needs, read_metrics, shared_folder, torchrun, train_command
+from conftest import (
+    PACKAGE,
+    launch,
+    needs,
+    read_metrics,
+    shared_folder,
+    torchrun,
+    train_command,
+)
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -484,3 +492,23 @@ def test_a_kill_during_the_resume_rewrite_keeps_the_old_rows(tmp_path, monkeypat
     monkeypatch.undo()
     assert (tmp_path / "metrics.csv").read_text() == before
     assert not list(tmp_path.glob(".partial-*"))  # nor the half-written new file
+
+
+@pytest.mark.slow
+@needs("mlflow")
+def test_a_logger_that_cannot_start_ends_the_launch_in_one_line_from_rank_0(tmp_path, not_mlflow):
+    """The check reaches the server; MLflow's start on rank 0 then fails. Rank 0 ends at once
+    (train.end_before_the_others), before the other rank's first all-reduce gives up: one line,
+    exit 2, no traceback, and no other rank's report."""
+    done = launch(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "logger=mlflow",
+        f"logger.mlflow.tracking_uri={not_mlflow}",
+        "trainer.max_steps=3",
+        "dist.timeout_s=60",
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"config error: logger.mlflow: could not start ({not_mlflow}): ")

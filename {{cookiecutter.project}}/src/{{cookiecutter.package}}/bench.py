@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import platform
 import re
 import shutil
@@ -49,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import PACKAGE
 from .config import compose as check
 from .config.error import ConfigError
+from .config.logger_probes import LoggerError
 from .config.schema import TrainConfig, uses_cuda
 from .core.cli import Parser, at_least, seconds
 from .core.exits import Exit, exit_with_error
@@ -173,7 +175,12 @@ def trained_rows(
     # A run dir as Hydra makes one for train: the loggers write into it and make none of their own.
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, world, device, run_dir, control)
-    if trainer.train():  # stopped by a signal: every later timing would stop at once too
+    try:
+        stopped = trainer.train()
+    except LoggerError as err:  # rank 0 alone: the others wait for it in the first all-reduce
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        os._exit(Exit.CONFIG_ERROR)  # at once, no unwinding: theirs follows from this one
+    if stopped:  # by a signal: every later timing would stop at once too
         sys.exit(trainer.preemption.signals.exit_code)
     if not world.main:
         return None
