@@ -564,8 +564,7 @@ def main() -> int:
     try:  # as the workers will see it
         check.compose_and_check(args.overrides, world=World(size=nproc, local_size=nproc))
     except check.CONFIG_ERRORS as err:
-        print(f"config error: {check.describe(err)}", file=sys.stderr)
-        return Exit.CONFIG_ERROR
+        return check.refused(err)
     try:
         report = figures(run_workers(args, nproc))
     except BenchFailed as failure:

@@ -272,8 +272,7 @@ def launch(args: list[str]) -> int:
     try:
         config, run_dir, new = checked(overrides, World(size=world_size, local_size=local_size))
     except check.CONFIG_ERRORS as err:
-        print(f"config error: {check.describe(err)}", file=sys.stderr, flush=True)
-        return Exit.CONFIG_ERROR
+        return check.refused(err)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
     for name in TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(SaidBelow())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .. import PACKAGE
-from ..core.exits import exit_with_error
+from ..core.exits import Exit, exit_with_error
 from ..core.suggest import did_you_mean
 from ..core.world import World
 from . import logger_probes
@@ -177,6 +178,14 @@ CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
 
 def describe(err: Exception) -> str:
     return str(err) if isinstance(err, ConfigError) else one_line(err)
+
+
+def refused(err: Exception) -> int:
+    """A one-process command's end on a bad config (CONFIG_ERRORS): its `config error:` line on
+    stderr, and the exit code for the command to return. A launch's processes end with
+    core.exits.exit_with_error instead, which prints once per node."""
+    print(f"config error: {describe(err)}", file=sys.stderr, flush=True)
+    return Exit.CONFIG_ERROR
 
 
 def config_problem(overrides: list[str], world: World | None = None) -> str | None:

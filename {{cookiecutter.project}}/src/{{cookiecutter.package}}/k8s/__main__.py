@@ -73,8 +73,7 @@ def main() -> int:
         try:
             cfg = check.compose_and_check(args.overrides, folder, this_node=False)
         except check.CONFIG_ERRORS as err:
-            print(f"config error: {check.describe(err)}", file=sys.stderr)
-            return Exit.CONFIG_ERROR
+            return check.refused(err)
         deploy, profile = deploy_and_profile(cfg)
         rendered = render.manifests(deploy, nccl_env(profile))
         if args.check:
