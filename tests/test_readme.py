@@ -200,7 +200,7 @@ PLACEHOLDERS = {
     "<deploy.rdzv_timeout_s>": "900",
     "deploy.image=<name>@sha256:<digest>": "deploy.image=ghcr.io/your-org/{project}@sha256:" + "0" * 64,
     "deploy.image=...": "deploy.image=ghcr.io/your-org/{project}:0.2.0",
-    "data.path=...": "data.path=data/sample.bin",
+    "data.path=...": "data.path=data/sample",
     "ckpt=...": "ckpt=outputs/run/checkpoints/step_000000020.pt",
     "<image>": "{base_image}",
 }

@@ -1,15 +1,16 @@
-"""Token files and the held-out split: a bad file is one line before any process starts."""
+"""Data folders made from text (python -m <package>.data), read as shards, and the held-out split;
+the batches each step takes, on any world size. Refusals: test_data_refusals.py."""
 
-import os
-import subprocess
-import sys
-import tracemalloc
+import hashlib
+import json
+import pickle
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import PACKAGE
 
+from ddp_project import data
 from ddp_project.config import token_files, validate
 from ddp_project.config.compose import compose_and_check, config_problem
 from ddp_project.config.error import ConfigError
@@ -21,10 +22,13 @@ from ddp_project.config.global_batch import (
 )
 from ddp_project.config.validate import check_data
 from ddp_project.core.world import World
-from ddp_project.data import prepare
-from ddp_project.run.batches import StepBatches
+from ddp_project.data import END_OF_TEXT, SPLITS, TokenShards, prepare
+from ddp_project.run.batches import StepBatches, build_loader
 
-GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1"]
+GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1", "data.vocab_size=null"]
+CORPUS = "".join(
+    f"Line {i}: the quick brown fox jumps over the lazy dog, {i % 7} times.\n" for i in range(400)
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,131 +36,144 @@ def no_earlier_scan(monkeypatch):
     monkeypatch.delenv(token_files.SCANNED_VAR, raising=False)
 
 
-def tokens(path, ids):
-    np.asarray(ids, dtype=np.uint16).tofile(path)
-    return path
+@pytest.fixture
+def folder(tmp_path):
+    """A data folder made from CORPUS: a tokenizer of 300 ids, train and val shards."""
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    prepare([tmp_path / "corpus.txt"], tmp_path / "data", vocab_size=300)
+    return tmp_path / "data"
 
 
 def problem(path, *overrides):
     return config_problem([*GPT, f"data.path={path}", *overrides])
 
 
-def test_a_good_token_file_passes(tmp_path):
-    assert problem(tokens(tmp_path / "t.bin", np.arange(100) % 256)) is None
+def test_prepare_writes_a_tokenizer_and_shards_that_give_back_the_text(folder):
+    """A byte-level BPE loses nothing: the train shards then the val shards decode to the text,
+    the end-of-text token after it; the val split is its last tenth."""
+    from tokenizers import Tokenizer
 
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        (b"", "holds 0 sequence(s) of data.seq_len=4 tokens (0 tokens); need at least 2"),
-        (b"\x01\x00" * 8, "holds 1 sequence(s) of data.seq_len=4 tokens (8 tokens); need at"),
-        (b"\x01" * 41, "holds 41 bytes, an odd count: not a file of 2-byte (uint16) tokens;"),
-    ],
-    ids=["empty", "one sequence", "odd"],
-)
-def test_a_token_file_of_the_wrong_size_is_one_line(tmp_path, content, message):
-    (tmp_path / "t.bin").write_bytes(content)
-    assert problem(tmp_path / "t.bin").startswith(f"data.path={tmp_path / 't.bin'}: {message}")
-
-
-def test_an_id_outside_the_vocabulary_is_named_with_where_it_is(tmp_path):
-    path = tokens(tmp_path / "t.bin", [*range(50), 300, 7])
-    assert problem(path, "data.vocab_size=256") == (
-        f"data.path={path}: holds token id 300 (token 50 of the file), not below "
-        "data.vocab_size=256; raise data.vocab_size to 301, or check that the file holds uint16 "
-        f"tokens (make one with python -m {PACKAGE}.data TEXT OUT)"
-    )
-    assert problem(path, "data.vocab_size=300").startswith(f"data.path={path}: holds token id 300")
-    assert problem(path, "data.vocab_size=301") is None
-
-
-def test_a_text_file_given_as_tokens_is_refused(tmp_path):
-    (tmp_path / "t.txt").write_text("hello world, this is text and no token file\n" * 4)
-    assert "holds token id" in problem(tmp_path / "t.txt")
-
-
-@pytest.mark.parametrize(
-    ("make", "message"),
-    [
-        (lambda p: p.mkdir(), "a directory, not a token file;"),
-        (lambda p: None, "no such file here"),
-        (lambda p: os.mkfifo(p), "not a regular file;"),
-    ],
-    ids=["directory", "missing", "fifo"],
-)
-def test_a_path_that_is_no_file_is_one_line(tmp_path, make, message):
-    make(tmp_path / "t.bin")
-    assert problem(tmp_path / "t.bin").startswith(f"data.path={tmp_path / 't.bin'}: {message}")
-
-
-def test_an_unreadable_token_file_is_one_line(tmp_path, monkeypatch):
-    path = tokens(tmp_path / "t.bin", range(100))
-    real_open = type(path).open
-
-    def refuse(self, *args, **kwargs):  # chmod 000 does not stop root
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_open(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(path), "open", refuse)
-    assert problem(path) == f"data.path={path}: cannot be read (Permission denied)"
-
-
-def test_an_empty_path_is_one_line():
-    assert problem("''").startswith("data.path=: an empty path; give a token file, or null")
-
-
-def test_a_huge_token_file_is_scanned_a_chunk_at_a_time(tmp_path, monkeypatch):
-    """The largest id is found wherever it is, in memory that does not grow with the file."""
-    monkeypatch.setattr(token_files, "CHUNK_TOKENS", 1000)
-    path = tmp_path / "huge.bin"
-    with path.open("wb") as file:
-        file.truncate(2 * 10**7)  # 20 MB of zeros, sparse on disk
-        file.seek(2 * (10**7 - 3))
-        file.write(np.uint16(999).tobytes())
-    tracemalloc.start()
-    try:
-        assert token_files.largest_token(path) == (999, 10**7 - 3)
-        assert tracemalloc.get_traced_memory()[1] < 2**20
-    finally:
-        tracemalloc.stop()
-
-
-def test_a_scan_is_reused_by_the_processes_started_after_it_until_the_file_changes(
-    tmp_path, monkeypatch
-):
-    reads, memmap = [], np.memmap
-    monkeypatch.setattr(
-        np, "memmap", lambda *args, **kwargs: reads.append(1) or memmap(*args, **kwargs)
-    )
-    path = tokens(tmp_path / "t.bin", [3, 1, 4, 1, 5, 9, 2, 6])
-    assert token_files.largest_token(path) == (9, 5) and len(reads) == 1
+    meta = json.loads((folder / "meta.json").read_text())
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "meta.json", "tokenizer.json", "train-0000.bin", "val-0000.bin"
+    ]  # fmt: skip
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 300
     assert (
-        token_files.SCANNED_VAR in os.environ
-    )  # what torchrun's workers inherit from the launcher
-    assert token_files.largest_token(path) == (9, 5) and len(reads) == 1
-    before = path.stat().st_mtime_ns
-    tokens(path, [3, 1, 4, 1, 5, 9, 2, 60])  # the same size and inode: its time tells
-    os.utime(path, ns=(before + 10**9, before + 10**9))
-    assert token_files.largest_token(path) == (60, 7) and len(reads) == 2
-    monkeypatch.setenv(token_files.SCANNED_VAR, "{not json")
-    assert token_files.largest_token(path) == (60, 7) and len(reads) == 3
+        meta["tokenizer_sha256"]
+        == hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    )
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = {s: np.fromfile(folder / f"{s}-0000.bin", dtype=np.uint16).tolist() for s in SPLITS}
+    assert {s: len(ids[s]) for s in SPLITS} == meta["tokens"]
+    assert ids["val"][-1] == meta["end_of_text_id"] == tokenizer.token_to_id(END_OF_TEXT)
+    assert tokenizer.decode(ids["train"]) + tokenizer.decode(ids["val"][:-1]) == CORPUS
+    val_text = tokenizer.decode(ids["val"][:-1])
+    assert CORPUS.endswith(val_text) and len(val_text) == len(CORPUS) // 10
+    assert problem(folder) is None
 
 
-def test_check_refuses_a_bad_token_file_in_one_line_with_exit_2(tmp_path):
-    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
-    done = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.check", *GPT, "data.path=odd.bin"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_the_data_command_writes_the_folder_and_says_what_to_train_with(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text(CORPUS)
+    assert data.main([str(tmp_path / "t.txt"), str(tmp_path / "out"), "--vocab-size", "280"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("wrote ") and line.endswith(f"data.path={tmp_path / 'out'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.txt"]
+
+
+def test_a_folder_of_documents_ends_each_with_end_of_text(tmp_path):
+    """Every file below the folder, in name order, hidden ones left out; an empty one adds none
+    of its text."""
+    corpus = tmp_path / "corpus"
+    (corpus / "b").mkdir(parents=True)
+    (corpus / "a.txt").write_text(CORPUS[:3000])
+    (corpus / "b" / "c.md").write_text(CORPUS[3000:6000])
+    (corpus / "empty.txt").write_text("")
+    (corpus / ".git").mkdir()
+    (corpus / ".git" / "index").write_bytes(b"\x00\xff binary")
+    meta = prepare([corpus], tmp_path / "out", vocab_size=280)
+    assert meta["corpus"] == {"files": 3, "bytes": 6000}
+    ids = np.concatenate(
+        [np.fromfile(tmp_path / "out" / f"{s}-0000.bin", dtype=np.uint16) for s in SPLITS]
     )
-    assert done.returncode == 2
-    assert done.stderr == (
-        "config error: data.path=odd.bin: holds 3 bytes, an odd count: not a file of 2-byte "
-        f"(uint16) tokens; make one with python -m {PACKAGE}.data TEXT OUT\n"
+    assert (ids == meta["end_of_text_id"]).sum() == 3
+
+
+def test_a_vocabulary_past_uint16_is_stored_and_read_as_uint32(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "UINT16_IDS", 290)  # instead of 65536 ids: a small corpus has past it
+    (tmp_path / "t.txt").write_text(CORPUS)
+    meta = prepare([tmp_path / "t.txt"], tmp_path / "out", vocab_size=300)
+    assert meta["dtype"] == "uint32"
+    assert (tmp_path / "out" / "train-0000.bin").stat().st_size == 4 * meta["tokens"]["train"]
+    cfg = compose_and_check([*GPT, f"data.path={tmp_path / 'out'}", "data.vocab_size=null"])
+    assert cfg.data.vocab_size == 300  # null: the tokenizer's
+    inputs, labels = TokenShards(cfg.data, held_out=False)[[0, 1]]
+    first = np.fromfile(tmp_path / "out" / "train-0000.bin", dtype=np.uint32)[:5].tolist()
+    assert inputs[0].tolist() == first[:4] and labels[0].tolist() == first[1:5]
+
+
+def test_sequences_are_cut_within_shards_and_held_out_ones_from_val(tmp_path, monkeypatch):
+    """Shards of 1000 tokens: each sequence of seq_len + 1 lies in one shard, the shard's tail
+    left out; the held-out set is the val shards'."""
+    monkeypatch.setattr(data, "SHARD_TOKENS", 1000)
+    (tmp_path / "t.txt").write_text(CORPUS)
+    meta = prepare([tmp_path / "t.txt"], tmp_path / "out", vocab_size=300)
+    listed = meta["shards"]["train"]
+    assert len(listed) > 2 and all(s["tokens"] == 1000 for s in listed[:-1])
+    cfg = compose_and_check([*GPT, f"data.path={tmp_path / 'out'}", "data.seq_len=64"])
+    train, held = TokenShards(cfg.data, False), TokenShards(cfg.data, True)
+    shards = [np.fromfile(tmp_path / "out" / s["file"], dtype=np.uint16) for s in listed]
+    rows = [s[i * 64 : i * 64 + 65] for s in shards for i in range((len(s) - 1) // 64)]
+    assert len(train) == len(rows) == cfg.data.training_samples()[0]
+    inputs, labels = train[list(range(len(train)))]
+    assert torch.equal(
+        torch.cat([inputs, labels[:, -1:]], 1), torch.tensor(np.stack(rows).astype(np.int64))
     )
+    val = np.fromfile(tmp_path / "out" / "val-0000.bin", dtype=np.uint16)
+    assert len(held) == (len(val) - 1) // 64 == cfg.data.held_out_samples()[0]
+    assert held[[0]][0][0].tolist() == val[:64].tolist()
+
+
+def test_a_worker_gets_the_shards_mapped_not_copied(folder):
+    cfg = compose_and_check([*GPT, f"data.path={folder}"])
+    shards = TokenShards(cfg.data, False)
+    shards[[0]]  # maps the files in this process
+    assert len(pickle.dumps(shards)) < 2000  # what a spawned DataLoader worker receives
+    assert torch.equal(pickle.loads(pickle.dumps(shards))[[3]][0], shards[[3]][0])
+
+
+def world_steps(dataset, processes, accumulation, epoch=0, start=0):
+    """Each optimizer step's token rows over every rank, as each rank's loader hands them out."""
+    ranks = []
+    for rank in range(processes):
+        loader, batches = build_loader(
+            dataset, DATA, accumulation, 5, torch.device("cpu"), World(rank=rank, size=processes)
+        )
+        batches.set_position(epoch, start)
+        ranks.append([inputs for inputs, _ in loader])
+    return [
+        sorted(
+            tuple(row.tolist())
+            for rank in ranks
+            for inputs in rank[s * accumulation : (s + 1) * accumulation]
+            for row in inputs
+        )
+        for s in range(len(ranks[0]) // accumulation)
+    ]
+
+
+DATA = SimpleNamespace(batch_size=2, on_device=False, num_workers=0, pin_memory=False)
+
+
+def test_text_shards_resumed_on_another_world_size_give_the_steps_an_unbroken_run_takes(folder):
+    """4 processes × 2 × 1, stopped after 3 steps of epoch 1; resumed from that position on 2
+    processes accumulating 2: each later step takes the token rows the unbroken run's would."""
+    cfg = compose_and_check([*GPT, f"data.path={folder}"])
+    shards = TokenShards(cfg.data, held_out=False)
+    unbroken = world_steps(shards, 4, 1, epoch=1)
+    assert len(unbroken) > 5
+    assert world_steps(shards, 2, 2, epoch=1, start=3 * 8) == unbroken[3:]
+    assert world_steps(shards, 1, 4, epoch=1, start=3 * 8) == unbroken[3:]
+    assert world_steps(shards, 4, 1, epoch=2) != unbroken  # another epoch, another order
 
 
 def test_evaluation_checks_the_held_out_samples_not_a_training_batch(monkeypatch):
@@ -187,61 +204,6 @@ def test_from_saved_passes_held_out_to_the_data_check():
     with pytest.raises(ConfigError, match="training samples"):
         validate.from_saved(saved, ["data.batch_size=100000"], World())
     assert validate.from_saved(saved, ["data.batch_size=100000"], World(), held_out=True)
-
-
-def test_prepare_writes_a_token_file_a_chunk_at_a_time(tmp_path, monkeypatch):
-    from ddp_project import data
-
-    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
-    text = tmp_path / "t.txt"
-    text.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
-    tracemalloc.start()
-    try:
-        assert prepare(text, tmp_path / "t.bin") == 2**20
-        assert tracemalloc.get_traced_memory()[1] < 2**18  # not the whole text, nor its tokens
-    finally:
-        tracemalloc.stop()
-    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == list(range(256)) * 4096
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin", "t.txt"]
-
-
-def test_an_interrupted_prepare_leaves_no_token_file(tmp_path, monkeypatch):
-    text = tmp_path / "t.txt"
-    text.write_text("some text")
-
-    def interrupted(source, target):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(os, "replace", interrupted)  # the last moment before it is done
-    with pytest.raises(KeyboardInterrupt):
-        prepare(text, tmp_path / "t.bin")
-    assert [p.name for p in tmp_path.iterdir()] == ["t.txt"]
-
-
-@pytest.mark.parametrize(
-    ("text", "out", "message"),
-    [
-        ("missing.txt", "t.bin", "error: missing.txt: no such file"),
-        ("empty.txt", "t.bin", "error: empty.txt: empty, no tokens to write"),
-        ("folder", "t.bin", "error: folder: not a file"),
-        ("t.txt", "folder", "error: folder: a directory; name the token file to write"),
-        ("t.txt", "nowhere/t.bin", "error: nowhere/t.bin: no folder nowhere to write it in"),
-        ("t.txt", "t.txt", "error: t.txt: the text file itself; write the tokens to another file"),
-    ],
-)
-def test_the_data_command_refuses_bad_arguments_in_one_line(
-    tmp_path, monkeypatch, capsys, text, out, message
-):
-    from ddp_project import data
-
-    (tmp_path / "t.txt").write_text("text")
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "folder").mkdir()
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["data", text, out])
-    assert data.main() == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(message) and (tmp_path / "t.txt").read_text() == "text"
 
 
 def step_samples(size, batch, accumulation, processes, epoch=0, start=0):

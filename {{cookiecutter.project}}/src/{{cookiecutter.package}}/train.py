@@ -66,7 +66,7 @@ from .nccl import decision as nccl
 from .nccl import failfast, process_group
 from .record import metrics
 from .record.startup import Timeline
-from .run import checkpoint, compilation, stopping
+from .run import checkpoint, compilation, rundir, stopping
 from .run.nccl_env import apply_nccl_env
 from .run.trainer import Trainer
 
@@ -194,6 +194,7 @@ def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[s
                     report_cpu_settings(cfg)
                 if cache:
                     log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
+                rundir.keep_tokenizer(run_dir, cfg)  # generate reads it; a resume compares it
             control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
             timeline.mark("process group")  # its rendezvous, the gate all-reduce, the CPU group
             trainer = Trainer(cfg, world, device, run_dir, control, watchdog, timeline)

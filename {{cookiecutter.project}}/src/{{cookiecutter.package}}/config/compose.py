@@ -4,7 +4,7 @@ ConfigCheck runs the check once Hydra has composed a run's config, before any ru
 group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts. Its exit
 code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
 It reads what train reads: every configs/ file as YAML, the overrides as overrides.hydra_overrides
-rewrites them, and a token file (token_files.token_file_problem).
+rewrites them, and a data folder (token_files.check_folder).
 """
 
 from __future__ import annotations

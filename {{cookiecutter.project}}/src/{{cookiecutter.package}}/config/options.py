@@ -6,6 +6,7 @@ model=gpt's. A YAML file in configs/model/ or configs/data/ names its schema in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING
@@ -13,7 +14,7 @@ from omegaconf import MISSING
 from .error import ConfigError, require
 from .marks import EVALUATE_SETS, FREE_ON_RESUME
 from .registry import option
-from .token_files import file_sequences, token_file_problem
+from .token_files import TOKENIZER, FolderProblem, check_folder, read_meta, split_sequences
 
 
 @dataclass
@@ -48,6 +49,10 @@ class DataConfig:
         how many."""
         return self.num_samples // HELD_OUT, f"data.num_samples={self.num_samples}"
 
+    def tokenizer_file(self) -> Path | None:
+        """The tokenizer file of data read from text, which a run keeps a copy of; None here."""
+        return None
+
 
 @option("data", "synthetic", "labelled points", stored_as="points_schema")
 @dataclass
@@ -68,31 +73,58 @@ class PointsConfig(DataConfig):
 @option("data", "tokens", "token sequences", stored_as="tokens_schema")
 @dataclass
 class TokensConfig(DataConfig):
-    """configs/data/tokens.yaml: token sequences for next-token prediction."""
+    """configs/data/tokens.yaml: token sequences for next-token prediction, synthetic or read
+    from a data folder (data.path) that `python -m <package>.data` made from text."""
 
     seq_len: int = MISSING
-    vocab_size: int = MISSING
+    vocab_size: Optional[int] = MISSING
     path: Optional[str] = MISSING
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.seq_len >= 1, "data.seq_len", self.seq_len, "must be at least 1")
+        if self.path is None:
+            require(
+                self.vocab_size is not None,
+                "data.vocab_size",
+                "null",
+                "means the tokenizer's, and synthetic tokens have none; give a number, or a "
+                "data.path",
+            )
+        else:
+            try:
+                meta = check_folder(self)
+            except FolderProblem as problem:
+                raise ConfigError(f"data.path={self.path}: {problem}") from None
+            tokenizer = meta["vocab_size"]
+            if self.vocab_size is None:  # the tokenizer's, resolved once: the run records it
+                self.vocab_size = tokenizer
+            require(
+                self.vocab_size >= tokenizer,
+                "data.vocab_size",
+                self.vocab_size,
+                f"is below the {tokenizer} ids of data.path={self.path}'s {TOKENIZER}; use at "
+                f"least {tokenizer}, or null for the tokenizer's",
+            )
         require(self.vocab_size >= 2, "data.vocab_size", self.vocab_size, "must be at least 2")
-        if self.path is not None:
-            problem = token_file_problem(self)
-            if problem:
-                raise ConfigError(f"data.path={self.path}: {problem}")
+
+    def sequences(self, split: str) -> int:
+        """The data folder's sequences in a split: train, or val (held out)."""
+        return split_sequences(read_meta(Path(self.path)), split, self.seq_len)
 
     def training_samples(self) -> tuple[int, str]:
         if self.path is None:
             return super().training_samples()
-        sequences = file_sequences(self)
-        return sequences - max(1, sequences // HELD_OUT), f"data.path={self.path}"
+        return self.sequences("train"), f"data.path={self.path} (its train shards)"
 
     def held_out_samples(self) -> tuple[int, str]:
         if self.path is None:
             return super().held_out_samples()
-        return max(1, file_sequences(self) // HELD_OUT), f"data.path={self.path}"
+        return self.sequences("val"), f"data.path={self.path} (its val shards)"
+
+    def tokenizer_file(self) -> Path | None:
+        """The tokenizer the data's ids come from, which a run keeps a copy of."""
+        return None if self.path is None else Path(self.path) / TOKENIZER
 
 
 @option("model", "mlp", "an MLP", stored_as="mlp_schema", reads=PointsConfig)

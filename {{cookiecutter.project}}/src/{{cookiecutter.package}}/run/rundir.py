@@ -31,8 +31,10 @@ from ..config.marks import FREE_ON_RESUME
 from ..config.overrides import dotted
 from ..config.registry import chosen, fitting
 from ..config.schema import TrainConfig, marked_keys
+from ..config.token_files import TOKENIZER, sha256_of
 from ..config.validate import check_composed, unrecorded
 from ..core.exits import exit_with_error
+from ..core.files import write_atomically
 from ..core.world import World
 from . import checkpoint
 
@@ -245,6 +247,9 @@ def resume_problem(
     switched = option_problem(state, config, path, run_dir, place)
     if switched:
         return switched
+    tokenizer = tokenizer_problem(run_dir, config)
+    if tokenizer:
+        return f"{shown} resumes from {path.name}: {tokenizer}, or choose another {key}"
     saved_config = state.get("config", {})
     batch = global_batch_problem(state, saved_config, config, world)
     if batch:
@@ -259,6 +264,39 @@ def resume_problem(
         f"These change results; to continue anyway add trainer.accept_changes=[{keys}], or choose "
         f"another {key}"
     )
+
+
+def keep_tokenizer(run_dir: Path, config: TrainConfig) -> None:
+    """<run dir>/tokenizer.json: a copy of the tokenizer the data's ids come from (generate reads
+    it; a resume is checked against it), written by rank 0 at the start of each launch."""
+    source = config.data.tokenizer_file()
+    if source is not None:
+        write_atomically(run_dir / TOKENIZER, source.read_bytes())
+
+
+def tokenizer_problem(run_dir: Path, config: TrainConfig) -> str | None:
+    """A data folder whose tokenizer is not the one the run trained with, as a line, or None:
+    the same ids would mean other text. Re-preparing a folder under the same data.path changes
+    no key, so the file is compared, not the config."""
+    source, kept = config.data.tokenizer_file(), run_dir / TOKENIZER
+    if source is None or not kept.is_file() or accepted_key("data.path", config):
+        return None
+    try:
+        now, then = sha256_of(source), sha256_of(kept)
+    except OSError:
+        return None  # the config check names what cannot be read
+    if now == then:
+        return None
+    return (
+        f"data.path={config.data.path}: its {TOKENIZER} (sha256 {now[:12]}) is not the one the "
+        f"run trained with ({kept}, sha256 {then[:12]}), so its ids mean other text; resume with "
+        "that data folder, add trainer.accept_changes=[data.path] to train on with this one"
+    )
+
+
+def accepted_key(key: str, config: TrainConfig) -> bool:
+    """trainer.accept_changes names the key, or a group above it."""
+    return any(key == name or key.startswith(f"{name}.") for name in config.trainer.accept_changes)
 
 
 def option_problem(
