@@ -29,7 +29,10 @@ BAD = [
     ("trainer.lr=0", "trainer.lr=0.0: must be a finite number above 0"),
     ("trainer.lr=inf", "trainer.lr=inf: must be a finite number above 0"),
     ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
-    ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
+    (
+        "optimizer.weight_decay=-inf",
+        "optimizer.weight_decay=-inf: must be a finite number, 0 or more",
+    ),
     ("trainer.val_every=-1", "trainer.val_every=-1: must be 0 (no validation) or more"),
     (
         "data.num_samples=9 data.batch_size=4",

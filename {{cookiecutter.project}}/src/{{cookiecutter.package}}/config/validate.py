@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..core.suggest import did_you_mean
 from ..core.world import World
 from .error import ConfigError, require
+from .optimizer import check_optimizer, upgraded
 from .options import HELD_OUT
 from .registry import (
     Option,
@@ -144,6 +145,7 @@ def check_composed(
         check_devices(config, world)
     check_data(config, world, held_out)
     check_combinations(config)
+    check_optimizer(config.optimizer, config.trainer.lr)
     check_accept_changes(config)
     return config
 
@@ -205,7 +207,7 @@ def from_saved(
     `recorded`: the checkpoint's options (registry.chosen), which pick each group's schema; `told`:
     those the user named (evaluate's model=<name>), for a checkpoint that records none."""
     parts: dict[str, Any] = {}
-    for group, values in saved.items():
+    for group, values in upgraded(saved).items():
         if group not in stored_groups():
             parts[group] = values
             continue
