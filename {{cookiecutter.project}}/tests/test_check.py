@@ -181,7 +181,10 @@ BAD = [
         "(missing EQUAL at '<EOF>'); write key=value",
     ),
     ("+trainer.foo=1", "trainer.foo: no such key; allowed: max_steps, lr,"),
-    ("+foo=1", "foo: no such key; allowed: model, data, logger, trainer, dist, nccl, deploy"),
+    (
+        "+foo=1",
+        "foo: no such key; allowed: model, data, logger, trainer, optimizer, dist, nccl, deploy",
+    ),
     ("+model.width=3", "model.width: no such key; allowed: hidden_dim, depth"),
     ("+deploy.extra.key=1", "deploy.extra: no such key; allowed: name, image,"),
     (

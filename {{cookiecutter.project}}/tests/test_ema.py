@@ -3,6 +3,7 @@ early stopping at the right validation, and both continued exactly by a resume."
 
 import logging
 import signal
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
 from ddp_project.core.world import World
 from ddp_project.record import metrics
-from ddp_project.run import scoring, stopping
+from ddp_project.run import checkpoint, scoring, stopping
 from ddp_project.run.ema import EMA
 from ddp_project.run.trainer import Trainer
 
@@ -74,13 +75,13 @@ def test_each_update_moves_the_average_by_one_minus_decay_unless_skipped():
         for p in module.parameters():
             p.add_(1.0)
     ema.update()
-    for average, before, now in zip(ema.averages, start, module.parameters()):
+    for average, before, now in zip(ema.averages, start, module.parameters(), strict=True):
         assert torch.allclose(average, 0.75 * before + 0.25 * now)
     kept = [a.clone() for a in ema.averages]
     ema.update(skipped=torch.tensor(1.0))  # fp16's grad scaler skipped the step
-    assert all(torch.equal(a, b) for a, b in zip(ema.averages, kept))
+    assert all(torch.equal(a, b) for a, b in zip(ema.averages, kept, strict=True))
     ema.update(skipped=torch.tensor(0.0))
-    assert not any(torch.equal(a, b) for a, b in zip(ema.averages, kept))
+    assert not any(torch.equal(a, b) for a, b in zip(ema.averages, kept, strict=True))
     assert all(a.dtype == torch.float32 for a in ema.averages)
 
 
@@ -110,7 +111,7 @@ def test_its_state_is_keyed_as_the_models_and_loads_back_exactly():
     assert torch.allclose(state["linear.weight"], model_state["linear.weight"] - 1.0)
     other = EMA(Tiny(), decay=0.5)
     other.load_state_dict({k: v.clone() for k, v in state.items()})
-    assert all(torch.equal(a, b) for a, b in zip(other.averages, ema.averages))
+    assert all(torch.equal(a, b) for a, b in zip(other.averages, ema.averages, strict=True))
     with pytest.raises(KeyError):
         other.load_state_dict(state | {"extra.weight": torch.zeros(1)})
 
@@ -125,12 +126,12 @@ def test_swapped_in_scores_the_averages_and_puts_the_weights_back_bit_for_bit():
     weights = [p.detach().clone() for p in module.parameters()]
     averages = [a.clone() for a in ema.averages]
     with ema.swapped_in():
-        assert all(torch.equal(p, a) for p, a in zip(module.parameters(), averages))
-    assert all(torch.equal(p, w) for p, w in zip(module.parameters(), weights))
-    assert all(torch.equal(a, b) for a, b in zip(ema.averages, averages))
+        assert all(torch.equal(p, a) for p, a in zip(module.parameters(), averages, strict=True))
+    assert all(torch.equal(p, w) for p, w in zip(module.parameters(), weights, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ema.averages, averages, strict=True))
     with pytest.raises(RuntimeError), ema.swapped_in():  # an error while scoring
         raise RuntimeError
-    assert all(torch.equal(p, w) for p, w in zip(module.parameters(), weights))
+    assert all(torch.equal(p, w) for p, w in zip(module.parameters(), weights, strict=True))
 
 
 def test_the_trainer_averages_after_each_step_but_a_skipped_one(trainer_for):
@@ -141,10 +142,12 @@ def test_the_trainer_averages_after_each_step_but_a_skipped_one(trainer_for):
     bad = inputs.clone()
     bad[0, 0] = float("nan")
     trainer.step([(bad, labels)], ends_window=False)  # skipped: neither weights nor EMA move
-    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.averages, after_one))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.averages, after_one, strict=True))
     before = [a.clone() for a in trainer.ema.averages]
     trainer.step([(inputs, labels)], ends_window=False)
-    for average, old, weight in zip(trainer.ema.averages, before, trainer.module.parameters()):
+    for average, old, weight in zip(
+        trainer.ema.averages, before, trainer.module.parameters(), strict=True
+    ):
         assert torch.allclose(average, 0.5 * old + 0.5 * weight)
 
 
@@ -194,11 +197,48 @@ def test_a_stopped_and_resumed_run_keeps_the_ema_of_one_never_stopped(trainer_fo
     assert stopped.train() is True
     resumed = trainer_for(*EMA_RUN)
     assert resumed.train() is False
-    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.averages, whole.ema.averages))
+    assert all(
+        torch.equal(a, b) for a, b in zip(resumed.ema.averages, whole.ema.averages, strict=True)
+    )
     initial = trainer_for(*EMA_RUN, run="initial").ema.averages  # the same seed's weights
-    assert not any(torch.equal(a, b) for a, b in zip(initial, whole.ema.averages))  # it moved
-    weights = zip(resumed.module.parameters(), whole.module.parameters())
+    assert not any(
+        torch.equal(a, b) for a, b in zip(initial, whole.ema.averages, strict=True)
+    )  # it moved
+    weights = zip(resumed.module.parameters(), whole.module.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in weights)
+
+
+def test_a_dcp_checkpoint_holds_the_ema_of_its_step_not_of_a_step_during_its_write(
+    trainer_for, monkeypatch
+):
+    """A DCP checkpoint's "ema" is rank 0's extra.pt, written in the background after the
+    shares: the steps that run meanwhile must not reach it."""
+    write = checkpoint.write_atomically
+
+    def slow_write(state, path):
+        time.sleep(0.3)  # steps 5, 6, ... run meanwhile
+        write(state, path)
+
+    monkeypatch.setattr(checkpoint, "write_atomically", slow_write)
+    trainer = trainer_for(
+        "trainer.ema_decay=0.5",
+        "trainer.max_steps=8",
+        "trainer.checkpoint_every=4",
+        "trainer.checkpoint_format=dcp",
+    )
+    at_step_4 = {}
+    run_step = trainer.step
+
+    def step(*args, **kwargs):
+        run_step(*args, **kwargs)
+        if trainer.progress.step == 3:  # the step just run is step 4
+            at_step_4.update({k: v.clone() for k, v in trainer.ema.state_dict().items()})
+
+    trainer.step = step
+    assert trainer.train() is False
+    folder = trainer.run_dir / "checkpoints" / "step_000000004.dcp"
+    saved = torch.load(folder / "extra.pt", weights_only=True)["ema"]
+    assert all(torch.equal(saved[k], v) for k, v in at_step_4.items())
 
 
 def test_ema_turned_on_at_a_resume_starts_from_the_checkpoints_weights(trainer_for, caplog):
@@ -207,7 +247,7 @@ def test_ema_turned_on_at_a_resume_starts_from_the_checkpoints_weights(trainer_f
         resumed = trainer_for("trainer.max_steps=5", "trainer.ema_decay=0.9")
         resumed.resume()
     assert "trainer.ema_decay: the checkpoint has no EMA; it starts from its weights" in caplog.text
-    weights = zip(resumed.ema.averages, resumed.module.parameters())
+    weights = zip(resumed.ema.averages, resumed.module.parameters(), strict=True)
     assert all(torch.equal(a, w) for a, w in weights)
 
 
@@ -264,5 +304,5 @@ def test_a_resume_stops_at_the_step_an_uninterrupted_run_stops_at(trainer_for, m
     scored_as(monkeypatch, losses[3:])
     resumed = trainer_for(*run)
     assert resumed.train() is False and resumed.progress.step == 8
-    weights = zip(resumed.module.parameters(), whole.module.parameters())
+    weights = zip(resumed.module.parameters(), whole.module.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in weights)

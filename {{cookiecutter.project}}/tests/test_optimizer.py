@@ -80,7 +80,9 @@ def test_a_target_of_sgd_builds_sgd_over_the_same_groups_and_trains(trainer_for)
     assert decayed["momentum"] == 0.9 and decayed["nesterov"] is True
     before = [p.clone() for p in trainer.module.parameters()]
     assert trainer.train() is False
-    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters()))
+    assert all(
+        not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters(), strict=True)
+    )
     assert "momentum_buffer" in trainer.optimizer.state[decayed["params"][0]]
 
 
@@ -196,9 +198,7 @@ def test_a_checkpoint_from_before_the_optimizer_group_reads_as_the_adamw_it_trai
     now = OmegaConf.to_container(compose_train("optimizer.betas=null", "optimizer.eps=null"))
     old = {key: value for key, value in now.items() if key != "optimizer"}
     old["trainer"] = {
-        key: value
-        for key, value in now["trainer"].items()
-        if key not in ("ema_decay", "patience")
+        key: value for key, value in now["trainer"].items() if key not in ("ema_decay", "patience")
     } | {"weight_decay": 0.01, "fused_optimizer": True}
     assert upgraded(old)["optimizer"] == now["optimizer"]
     assert upgraded(old)["trainer"] == now["trainer"]
