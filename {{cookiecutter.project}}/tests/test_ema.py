@@ -151,6 +151,22 @@ def test_the_trainer_averages_after_each_step_but_a_skipped_one(trainer_for):
         assert torch.allclose(average, 0.5 * old + 0.5 * weight)
 
 
+def test_a_step_the_fp16_grad_scaler_skips_is_no_step_of_the_ema(trainer_for):
+    """fp16 (on a GPU) drops a step with an inf gradient inside the grad scaler, with no sync:
+    the EMA reads the scaler's finding on the device. Here a CPU scaler stands in for it."""
+    trainer = trainer_for("trainer.ema_decay=0.5")
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    inputs, labels = torch.randn(128, 32), torch.randint(8, (128,))
+    bad = inputs.clone()
+    bad[0, 0] = float("inf")
+    trainer.step([(inputs, labels)], ends_window=False)  # the average and the weights part
+    kept = [a.clone() for a in trainer.ema.averages]
+    trainer.step([(bad, labels)], ends_window=False)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.averages, kept, strict=True))
+    trainer.step([(inputs, labels)], ends_window=False)
+    assert not any(torch.equal(a, b) for a, b in zip(trainer.ema.averages, kept, strict=True))
+
+
 def test_validation_scores_the_ema_weights_too_and_the_checkpoint_holds_them(
     trainer_for, monkeypatch
 ):
