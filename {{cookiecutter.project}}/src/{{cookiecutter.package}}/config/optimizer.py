@@ -1,6 +1,6 @@
 """What the optimizer group's keys mean: the class optimizer._target_ names and the keywords it is
-built with, checked before any process starts (validate.check_composed), one line per refusal.
-run/optimizer.py builds it."""
+built with, checked before any process starts (validate.check_composed, on the node that trains:
+rendering k8s/ needs no torch), one line per refusal. run/optimizer.py builds it."""
 
 from __future__ import annotations
 
