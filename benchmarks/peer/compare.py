@@ -53,8 +53,8 @@ class Module(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.cfg.trainer.lr, weight_decay=self.cfg.trainer.weight_decay,
-                                 fused=self.cfg.trainer.fused_optimizer and torch.cuda.is_available())  # fmt: skip
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.trainer.lr, weight_decay=self.cfg.optimizer.weight_decay,
+                                 fused=self.cfg.optimizer.fused and torch.cuda.is_available())  # fmt: skip
 
 
 class Windows(pl.Callback):

@@ -29,7 +29,10 @@ BAD = [
     ("trainer.lr=0", "trainer.lr=0.0: must be a finite number above 0"),
     ("trainer.lr=inf", "trainer.lr=inf: must be a finite number above 0"),
     ("trainer.lr=nan", "trainer.lr=nan: must be a finite number above 0"),
-    ("trainer.weight_decay=-inf", "trainer.weight_decay=-inf: must be a finite number, 0 or more"),
+    (
+        "optimizer.weight_decay=-inf",
+        "optimizer.weight_decay=-inf: must be a finite number, 0 or more",
+    ),
     ("trainer.val_every=-1", "trainer.val_every=-1: must be 0 (no validation) or more"),
     (
         "data.num_samples=9 data.batch_size=4",
@@ -178,7 +181,10 @@ BAD = [
         "(missing EQUAL at '<EOF>'); write key=value",
     ),
     ("+trainer.foo=1", "trainer.foo: no such key; allowed: max_steps, lr,"),
-    ("+foo=1", "foo: no such key; allowed: model, data, logger, trainer, dist, nccl, deploy"),
+    (
+        "+foo=1",
+        "foo: no such key; allowed: model, data, logger, trainer, optimizer, dist, nccl, deploy",
+    ),
     ("+model.width=3", "model.width: no such key; allowed: hidden_dim, depth"),
     ("+deploy.extra.key=1", "deploy.extra: no such key; allowed: name, image,"),
     (

@@ -188,7 +188,9 @@ def test_tensorboard_events_hold_every_scalar(run):
     events = EventAccumulator(str(run[0] / "tensorboard"))
     events.Reload()
     unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib"}
-    assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - unmeasured_on_a_cpu
+    no_ema = {"val/loss_ema"}  # trainer.ema_decay is null
+    tags = set(loggers.TAGS.values()) - unmeasured_on_a_cpu - no_ema
+    assert set(events.Tags()["scalars"]) == tags
     losses = events.Scalars("train/loss")
     assert [event.step for event in losses] == [20, 40, 60]
     assert losses[-1].value == pytest.approx(read_metrics(run[0])[-1]["loss"])
@@ -284,7 +286,7 @@ def test_by_default_communication_and_gradient_norm_are_not_measured(default_run
     )
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib"}
+    unmeasured_on_a_cpu = {"perf/mfu", "perf/peak_memory_gib", "val/loss_ema"}  # and no EMA
     assert set(events.Tags()["scalars"]) == set(loggers.TAGS.values()) - unmeasured_on_a_cpu - {
         "perf/comm_share",
         "train/grad_norm",
@@ -348,7 +350,7 @@ HEADER = ",".join(metrics.COLUMNS)
 
 
 def csv_row(step: int) -> str:
-    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2,900.0,,,,,,0.0"
+    return f"{step},60,0,{2.0 - step / 100},0.5,,0.003,900.0,3.5,,2,900.0,,,,,,0.0,"
 
 
 def json_row(step: int) -> str:
@@ -375,6 +377,7 @@ def json_row(step: int) -> str:
                     None,
                     None,
                     0.0,
+                    None,
                 ],
                 strict=True,
             )
@@ -459,7 +462,8 @@ def test_the_plot_draws_the_loss_and_the_throughput_against_the_step(tmp_path, m
     )
     held_out = {1: ",,", 20: "0.6,0.7,0.1", 40: "0.3,0.9,0.1"}  # val_loss, val_accuracy, val_time_s
     lines = [HEADER] + [
-        f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,,,{held_out[s]},0.0" for s in (1, 20, 40)
+        f"{s},60,0,{10 / s},0.5,,0.003,{100.0 * s},3.5,,2,,,,{held_out[s]},0.0,"
+        for s in (1, 20, 40)
     ]
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     assert metrics.plot_metrics(tmp_path) == tmp_path / "metrics.png"

@@ -621,6 +621,7 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
         "trainer.log_every",
         "trainer.max_steps",
         "trainer.on_nonfinite",
+        "trainer.patience",
         "trainer.val_batches",
         "trainer.val_every",
     ]

@@ -62,6 +62,7 @@ from .nccl import allreduce, process_group
 from .record import perf
 from .run import compilation, ddp
 from .run.nccl_env import apply_nccl_env
+from .run.optimizer import build as build_optimizer
 from .run.trainer import Trainer, autocast_for
 
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
@@ -105,12 +106,7 @@ def reference_ms(
         )
         if ddp.COMM_HOOKS[cfg.dist.comm_hook]:
             model.register_comm_hook(None, ddp.COMM_HOOKS[cfg.dist.comm_hook])
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.trainer.lr,
-        weight_decay=cfg.trainer.weight_decay,
-        fused=(cfg.trainer.fused_optimizer and cuda) or None,
-    )
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.trainer.lr, device)
     compiled = compilation.compiles(cfg, device)
     forward = torch.compile(model) if compiled else model
     loss_of = compilation.loss_function(compiled)

@@ -79,7 +79,6 @@ class TrainerConfig:
     warmup_steps: int = MISSING
     schedule: Schedule = MISSING
     min_lr: Optional[float] = MISSING  # None: lr / 10 (schedule.floor)
-    weight_decay: float = MISSING
     max_grad_norm: Optional[float] = MISSING
     on_nonfinite: OnNonFinite = field(default=MISSING, metadata=FREE_ON_RESUME)
     log_every: int = field(default=MISSING, metadata=FREE_ON_RESUME)
@@ -93,8 +92,12 @@ class TrainerConfig:
     val_batches: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)
     keep_best: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     grad_accumulation: int = MISSING
-    fused_optimizer: bool = MISSING
     compile: bool = MISSING
+    # The EMA's decay changes the weights it keeps (and val_loss_ema), not the training: still a
+    # change of results, so a resume that turns it on names it in trainer.accept_changes.
+    ema_decay: Optional[float] = MISSING  # None: no EMA
+    # How long the run goes, as max_steps does: a resume may change it, and counts on.
+    patience: Optional[int] = field(default=MISSING, metadata=FREE_ON_RESUME)  # None: off
     accept_changes: List[str] = field(default=MISSING, metadata=FREE_ON_RESUME)
 
     def __post_init__(self) -> None:
@@ -110,12 +113,6 @@ class TrainerConfig:
             "trainer.min_lr",
             self.min_lr,
             f"must be null (trainer.lr/10) or a finite number from 0 to trainer.lr={self.lr}",
-        )
-        require(
-            finite(self.weight_decay) and self.weight_decay >= 0,
-            "trainer.weight_decay",
-            self.weight_decay,
-            "must be a finite number, 0 or more",
         )
         require(
             self.max_grad_norm is None or (finite(self.max_grad_norm) and self.max_grad_norm > 0),
@@ -162,6 +159,60 @@ class TrainerConfig:
             "trainer.grad_accumulation",
             self.grad_accumulation,
             "must be at least 1",
+        )
+        require(
+            self.ema_decay is None or (finite(self.ema_decay) and 0 < self.ema_decay < 1),
+            "trainer.ema_decay",
+            self.ema_decay,
+            "must be null (no EMA) or a number between 0 and 1, e.g. 0.999",
+        )
+        require(
+            self.patience is None or self.patience >= 1,
+            "trainer.patience",
+            self.patience,
+            "must be null (no early stopping) or at least 1",
+        )
+        require(
+            self.patience is None or self.val_every > 0,
+            "trainer.patience",
+            self.patience,
+            "counts validations without a new best val_loss: set trainer.val_every above 0, "
+            "or trainer.patience=null",
+        )
+
+
+@dataclass
+class OptimizerConfig:
+    """configs/optimizer/: any torch.optim optimizer by _target_, in two parameter groups: the
+    tensors of 2 or more dimensions decay, the rest (biases, norms' gains) do not. Null keys are
+    the class's own defaults; what the class takes is checked in validate.check_optimizer."""
+
+    _target_: str = MISSING  # a torch.optim.Optimizer subclass by import path
+    weight_decay: float = MISSING  # of the decayed group
+    betas: Optional[List[float]] = MISSING
+    eps: Optional[float] = MISSING
+    fused: bool = MISSING  # one kernel on CUDA, where the class has one
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # its other keywords (momentum, ...)
+
+    def __post_init__(self) -> None:
+        require(
+            finite(self.weight_decay) and self.weight_decay >= 0,
+            "optimizer.weight_decay",
+            self.weight_decay,
+            "must be a finite number, 0 or more",
+        )
+        require(
+            self.betas is None
+            or (len(self.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in self.betas)),
+            "optimizer.betas",
+            self.betas,
+            "must be null (the optimizer's default) or two numbers in [0, 1), e.g. [0.9, 0.95]",
+        )
+        require(
+            self.eps is None or (finite(self.eps) and self.eps > 0),
+            "optimizer.eps",
+            self.eps,
+            "must be null (the optimizer's default) or a finite number above 0",
         )
 
 
@@ -240,12 +291,14 @@ class TrainConfig:
     # each option of the logger group sets one of its keys
     logger: LoggersConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
     trainer: TrainerConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
     dist: DistConfig = MISSING
     nccl: NcclConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
     deploy: DeployConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
 
 
-SCHEMAS = {"trainer": TrainerConfig, "dist": DistConfig}  # the groups with one schema each
+# the groups with one schema each
+SCHEMAS = {"trainer": TrainerConfig, "optimizer": OptimizerConfig, "dist": DistConfig}
 
 
 def marked_keys(mark: dict[str, bool]) -> tuple[str, ...]:

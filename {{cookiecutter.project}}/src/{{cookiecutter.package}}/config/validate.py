@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..core.suggest import did_you_mean
 from ..core.world import World
 from .error import ConfigError, require
+from .optimizer import check_optimizer, upgraded
 from .options import HELD_OUT
 from .registry import (
     Option,
@@ -125,10 +126,11 @@ def check_composed(
     """A config already composed (by Hydra for a run, by check.compose_and_check, from a
     checkpoint) as typed objects, checked; ConfigError names the bad key. The `hydra` node of a
     run's config is not ours: it is left out, and only says which NCCL profile was chosen.
-    this_node=False skips what only this machine's GPUs decide (rendering k8s/ for a cluster);
-    held_out=True checks the data for evaluation rather than training (check_data). nccl_choice:
-    the profile nccl=<name> chose, for a config without its hydra node (train's task). `world`:
-    the launch it is for, as the command decided it."""
+    this_node=False skips what only this machine decides, its GPUs and the optimizer's class
+    (rendering k8s/ for a cluster imports no torch); held_out=True checks the data for evaluation
+    rather than training (check_data). nccl_choice: the profile nccl=<name> chose, for a config
+    without its hydra node (train's task). `world`: the launch it is for, as the command decided
+    it."""
     chosen = OmegaConf.select(cfg, "hydra.runtime.choices.nccl", default=nccl_choice)
     if "hydra" in cfg:
         cfg = copy.deepcopy(cfg)
@@ -140,8 +142,9 @@ def check_composed(
         if config.nccl.profile is None:  # a profile file of one's own, without the line
             config.nccl.profile = chosen
         check_profile_name(config.nccl, chosen)
-    if this_node:
+    if this_node:  # rendering k8s/ imports no torch: the pods' launcher checks these
         check_devices(config, world)
+        check_optimizer(config.optimizer, config.trainer.lr)
     check_data(config, world, held_out)
     check_combinations(config)
     check_accept_changes(config)
@@ -205,7 +208,7 @@ def from_saved(
     `recorded`: the checkpoint's options (registry.chosen), which pick each group's schema; `told`:
     those the user named (evaluate's model=<name>), for a checkpoint that records none."""
     parts: dict[str, Any] = {}
-    for group, values in saved.items():
+    for group, values in upgraded(saved).items():
         if group not in stored_groups():
             parts[group] = values
             continue

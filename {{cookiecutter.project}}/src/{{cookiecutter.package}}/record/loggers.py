@@ -49,6 +49,7 @@ TAGS = {
     "peak_memory_gib": "perf/peak_memory_gib",
     "val_loss": "val/loss",
     "val_accuracy": "val/accuracy",
+    "val_loss_ema": "val/loss_ema",  # trainer.ema_decay's weights
     "val_time_s": "perf/val_time_s",
     "checkpoint_s": "perf/checkpoint_s",
 }
@@ -56,7 +57,7 @@ TAGS = {
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row as tagged scalars; the columns left empty (not measured) are left out."""
-    return {tag: row[key] for key, tag in TAGS.items() if row[key] is not None}
+    return {tag: row[key] for key, tag in TAGS.items() if row.get(key) is not None}
 
 
 class Logger(Protocol):

@@ -48,6 +48,8 @@ COLUMNS = [
     # what checkpoints held training up in the window (a snapshot, or a wait for the last write),
     # left out of samples_per_s and step_time_ms
     "checkpoint_s",
+    # trainer.ema_decay's: the moving average of the weights scored as val_loss is (empty without)
+    "val_loss_ema",
 ]
 
 
@@ -120,6 +122,8 @@ class RunRecord:
                 f"  val loss {row['val_loss']:.4f}  val acc {row['val_accuracy']:.3f} "
                 f"({row['val_time_s']:.2f} s)"
             )
+        if row.get("val_loss_ema") is not None:
+            line += f"  EMA val loss {row['val_loss_ema']:.4f}"
         log.info(line)
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")

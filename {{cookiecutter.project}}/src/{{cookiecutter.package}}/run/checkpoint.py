@@ -544,7 +544,8 @@ class Checkpointer:
         if self.dcp:  # every rank stages and writes its share; rank 0 the rest beside it
             path = self.best_path if best else self.directory / f"step_{step:09d}.dcp"
             staged = self.snapshot.take(self.snapshot_state())
-            extra = self.extra(step, rng, val_loss) if self.world.main else None
+            # a copy: rank 0 writes it after the shares, while steps change the states (EMA's)
+            extra = self.snapshot.take(self.extra(step, rng, val_loss)) if self.world.main else None
             self.report_snapshot()
             self.writer.start(
                 path,

@@ -28,6 +28,7 @@ from ..config.error import ConfigError
 from ..config.global_batch import KEYS as GLOBAL_BATCH_KEYS
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from ..config.marks import FREE_ON_RESUME
+from ..config.optimizer import upgraded
 from ..config.overrides import dotted
 from ..config.registry import chosen, fitting
 from ..config.schema import TrainConfig, marked_keys
@@ -213,7 +214,7 @@ def changes_on_resume(
     """Keys that change what the run computes and differ from the checkpoint's config, less
     those that trainer.accept_changes names; with `keeps_batch`, less the batch figures."""
     now = dotted(OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True))
-    before = dotted(saved)
+    before = dotted(upgraded(saved))  # a checkpoint's from before the optimizer group
     accepted = tuple(
         config.trainer.accept_changes
     )  # keys, or groups (validate.check_accept_changes)

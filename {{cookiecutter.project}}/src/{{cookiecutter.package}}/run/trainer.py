@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
+from ..config.optimizer import upgraded
 from ..config.registry import builder_of, chosen
 from ..config.schema import CheckpointFormat, OnNonFinite, Precision, Schedule, TrainConfig
 from ..core.world import World, launched_at
@@ -30,15 +31,17 @@ from ..nccl import process_group
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
 from ..record import metrics, perf
 from ..record.startup import Timeline
-from . import compilation, ddp, schedule, scoring
+from . import compilation, ddp, optimizer, schedule, scoring
 from .batches import build_loader, epoch_batches
 from .checkpoint import Checkpointer, CheckpointFailed, Diverged, Incompatible, Progress
+from .ema import EMA
+from .patience import EarlyStopping
 from .stopping import Preemption
 
 log = logging.getLogger(__name__)
 AUTOCAST = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 Batch = tuple[torch.Tensor, torch.Tensor]
-UNVALIDATED = {"val_loss": None, "val_accuracy": None, "val_time_s": None}  # a row's, without
+UNVALIDATED = dict.fromkeys(("val_loss", "val_accuracy", "val_time_s", "val_loss_ema"))
 LOST = ("start-up", "first step", "checkpoints", "validation")  # goodput's account, by cause
 
 
@@ -160,12 +163,11 @@ class Trainer:
         self.timeline.mark(
             "model"
         )  # built, wrapped in DDP, torch.compile set up (it compiles later)
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(),
-            lr=cfg.trainer.lr,
-            weight_decay=cfg.trainer.weight_decay,
-            fused=(cfg.trainer.fused_optimizer and device.type == "cuda") or None,  # one kernel
-        )
+        self.optimizer = optimizer.build(cfg.optimizer, self.module, cfg.trainer.lr, device)
+        self.fresh_optimizer = self.optimizer.state_dict()  # no state yet: small, for resume()
+        # fp32 on the training device, beside the model: None without trainer.ema_decay
+        self.ema = EMA(self.module, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
+        self.early_stopping = EarlyStopping(cfg.trainer.patience)
         self.autocast = autocast_for(device, cfg.trainer.precision)
         self.scaler = torch.amp.GradScaler(
             device.type, enabled=self.autocast.keywords["dtype"] is torch.float16
@@ -189,7 +191,9 @@ class Trainer:
                 "optimizer": self.optimizer,
                 "scaler": self.scaler,
                 "data": self.progress,
-            },
+                "patience": self.early_stopping,
+            }
+            | ({"ema": self.ema} if self.ema else {}),
             config=OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True),
             options=chosen(cfg),
             watchdog=watchdog,
@@ -246,6 +250,10 @@ class Trainer:
         if preemption.start(self.progress.step):  # asked to stop already
             preemption.signals.say(preemption.signals.stopped_line())
             return True
+        if self.early_stopping.due:  # a relaunch of a run that stopped early: nothing to do
+            if self.world.main:
+                log.info("%s, before this launch", self.early_stopping.line(self.progress.step))
+            return False
         batches = self.batches()
         record = metrics.RunRecord(
             self.run_dir,
@@ -298,19 +306,29 @@ class Trainer:
                         if self.checkpointer.due(step, last_step=step == max_steps):
                             write_row()
                     stop = stop or preemption.agreed(step)  # every rank: the same step, or none
+                    # every rank: the same all-reduced val_loss, the same count
+                    patience_out = score is not None and self.early_stopping.due
                     stalled = self.checkpointer.stalled_s
                     written = self.checkpointer.save(
-                        step, last_step=step == max_steps, force=stop, val_loss=score and score.loss
+                        step,
+                        last_step=step == max_steps,
+                        force=stop or patience_out,
+                        val_loss=score and score.loss,
                     )
                     if score:
                         self.checkpointer.save_best(step, score.loss, written)
-                    if stop:
+                    if stop or patience_out:
                         self.checkpointer.settle()  # the stop's checkpoint reads back first
                     self.set_aside_checkpoint(self.checkpointer.stalled_s - stalled)
                     if stop:
                         write_row()
                         self.report_stop(step)
                         return True
+                    if patience_out:  # a finished run: exit 0
+                        write_row()
+                        if self.world.main:
+                            log.info("%s", self.early_stopping.line(step))
+                        return False
             finally:
                 write_row()  # the step after it failed: the window's figures stand
         return False
@@ -360,8 +378,11 @@ class Trainer:
         state = self.checkpointer.load()
         if state is None:
             return
-        for group in self.optimizer.param_groups:  # the config's, not the checkpoint's
-            group["weight_decay"] = self.cfg.trainer.weight_decay
+        self.keep_optimizer_settings(state)
+        if self.ema and not state.get("ema") and self.world.main:
+            log.info("trainer.ema_decay: the checkpoint has no EMA; it starts from its weights")
+        if self.ema and not state.get("ema"):
+            self.ema.start_from_weights()
         self.keep_global_batch(state)
         if self.world.main:
             log.info(
@@ -371,6 +392,20 @@ class Trainer:
                 self.progress.samples_in_epoch,
             )
             self.report_stretched_decay(state["config"]["trainer"]["max_steps"])
+
+    def keep_optimizer_settings(self, state: dict[str, Any]) -> None:
+        """The config's optimizer settings, not the checkpoint's; another class than the
+        checkpoint's (trainer.accept_changes named optimizer._target_) starts with no state."""
+        saved = upgraded(state["config"]).get("optimizer", {}).get("_target_")
+        if saved != self.cfg.optimizer._target_:
+            self.optimizer.load_state_dict(self.fresh_optimizer)
+            if self.world.main:
+                log.warning(
+                    "optimizer._target_ changed from %s to %s: its state starts afresh",
+                    saved,
+                    self.cfg.optimizer._target_,
+                )
+        optimizer.apply_settings(self.optimizer, self.cfg.optimizer)
 
     def keep_global_batch(self, state: dict[str, Any]) -> None:
         """On another world size, the accumulation that keeps the checkpoint's global batch
@@ -455,6 +490,8 @@ class Trainer:
             log.warning("step %d: non-finite gradient norm, step skipped", self.progress.step + 1)
         else:
             self.scaler.step(self.optimizer)
+            if self.ema:
+                self.ema.update(self.scaler_skipped())
             # Under fp16 an inf norm is routine: the grad scaler skips that update itself.
             norm = None if self.scaler.is_enabled() else grad_norm
             self.window.add(step_loss, count * len(labels), norm)
@@ -463,6 +500,14 @@ class Trainer:
         if ends_window:
             self.window.add_accuracy(logits.detach(), labels)
             self.window.lr = lr
+
+    def scaler_skipped(self) -> torch.Tensor | None:
+        """Under fp16: nonzero, on the device, if the grad scaler skipped this step's update (an
+        inf gradient); the EMA skips it too. None when no scaler runs."""
+        if not self.scaler.is_enabled():
+            return None
+        found = self.scaler._found_inf_per_device(self.optimizer)  # what step() acted on
+        return sum(found.values()) if found else None
 
     def no_sync(self) -> Any:
         return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()
@@ -517,10 +562,29 @@ class Trainer:
         if not result.complete:
             self.cut_short = step
             return None
+        averaged = None
+        if self.ema:
+            with self.ema.swapped_in():
+                averaged = scoring.score(
+                    self.module,
+                    self.held_out,
+                    self.device,
+                    self.autocast,
+                    self.world,
+                    limit=self.cfg.trainer.val_batches,
+                    stop=lambda: signals.requested,
+                    progress=self.watchdog.beat,
+                )
+            if not averaged.complete:
+                self.cut_short = step
+                return None
         seconds = time.perf_counter() - started
         self.window.set_aside(seconds)  # the next window's figures are the steps'
         self.lost["validation"] += seconds
         row |= {"val_loss": result.loss, "val_accuracy": result.accuracy, "val_time_s": seconds}
+        if averaged:
+            row["val_loss_ema"] = averaged.loss
+        self.early_stopping.observe(result.loss)  # before this step's checkpoint holds its count
         return result
 
     def log_row(self, step: int) -> dict[str, Any]:

@@ -1,0 +1,124 @@
+"""What the optimizer group's keys mean: the class optimizer._target_ names and the keywords it is
+built with, checked before any process starts (validate.check_composed, on the node that trains:
+rendering k8s/ needs no torch), one line per refusal. run/optimizer.py builds it."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from .error import ConfigError
+from .schema import OptimizerConfig
+
+# Keywords with a key of their own: set there, not in optimizer.kwargs.
+OWN_KEYS = {
+    "params": "the parameter groups are the model's",
+    "lr": "set trainer.lr, the schedule's peak",
+    "weight_decay": "set optimizer.weight_decay",
+    "betas": "set optimizer.betas",
+    "eps": "set optimizer.eps",
+    "fused": "set optimizer.fused",
+}
+# Classes whose step() the loop cannot drive: it passes no closure and its gradients are dense.
+UNDRIVABLE = {"LBFGS": "needs a closure at every step", "SparseAdam": "needs sparse gradients"}
+
+
+def optimizer_class(target: str) -> type:
+    """The class optimizer._target_ names; ConfigError unless it is a torch.optim.Optimizer."""
+    import torch  # here: composing a config for k8s/ needs no torch
+
+    module_name, _, name = target.rpartition(".")
+    found = None
+    if module_name and name:
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except Exception:  # a module that is not there, or fails to import: not an optimizer
+            found = None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"optimizer._target_={target}: must be a torch.optim.Optimizer subclass by import "
+            "path, e.g. torch.optim.AdamW or torch.optim.SGD"
+        )
+    if found.__name__ in UNDRIVABLE:
+        raise ConfigError(
+            f"optimizer._target_={target}: {UNDRIVABLE[found.__name__]}, which the training "
+            "loop does not give; choose another, e.g. torch.optim.AdamW"
+        )
+    return found
+
+
+def accepted_keywords(cls: type) -> set[str] | None:
+    """The keywords the class's constructor takes; None if it takes any (**kwargs)."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters} - {"self"}
+
+
+def takes(cls: type, keyword: str) -> bool:
+    taken = accepted_keywords(cls)
+    return taken is None or keyword in taken
+
+
+def keywords(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The class's keywords the config gives, but lr, weight_decay (each group has its own) and
+    fused (the device decides): null keys are left to the class's defaults."""
+    given: dict[str, Any] = {"eps": cfg.eps}
+    if cfg.betas is not None:
+        given["betas"] = tuple(cfg.betas)
+    return {key: value for key, value in given.items() if value is not None} | dict(cfg.kwargs)
+
+
+def check_optimizer(cfg: OptimizerConfig, lr: float) -> None:
+    """The class exists, takes every keyword given, and accepts their values (built once on a
+    one-element tensor: the class's own checks, momentum < 0 say, as one line)."""
+    import torch
+
+    cls = optimizer_class(cfg._target_)
+    taken = accepted_keywords(cls)
+    for key in cfg.kwargs:
+        if key in OWN_KEYS:
+            raise ConfigError(f"optimizer.kwargs.{key}: {OWN_KEYS[key]}")
+        if taken is not None and key not in taken:
+            allowed = ", ".join(sorted(taken - OWN_KEYS.keys()))
+            raise ConfigError(
+                f"optimizer.kwargs.{key}: {cfg._target_} takes no keyword {key}; it takes: "
+                f"{allowed}"
+            )
+    for key, value in (("betas", cfg.betas), ("eps", cfg.eps)):
+        if value is not None and taken is not None and key not in taken:
+            raise ConfigError(f"optimizer.{key}={value}: {cfg._target_} takes none; set it to null")
+    if cfg.weight_decay and not takes(cls, "weight_decay"):
+        raise ConfigError(
+            f"optimizer.weight_decay={cfg.weight_decay}: {cfg._target_} has no weight decay; "
+            "set it to 0"
+        )
+    trial = [torch.zeros(1, requires_grad=True)]
+    decay = {"weight_decay": cfg.weight_decay} if takes(cls, "weight_decay") else {}
+    try:
+        cls(trial, lr=lr, **decay, **keywords(cfg))
+    except Exception as err:  # the class's own checks: ValueError mostly, TypeError for a type
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(f"optimizer: {cfg._target_} refuses its keywords: {reason}") from None
+
+
+def upgraded(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config from before the optimizer group (AdamW, its keys under trainer) in
+    today's shape, as it trained: AdamW with its defaults, no EMA, no early stopping. (Its
+    weight decay applied to every parameter; today's to those of 2 or more dimensions.)"""
+    trainer = saved.get("trainer")
+    if "optimizer" in saved or not isinstance(trainer, dict) or "weight_decay" not in trainer:
+        return saved
+    trainer = dict(trainer)
+    optimizer = {
+        "_target_": "torch.optim.AdamW",
+        "weight_decay": trainer.pop("weight_decay"),
+        "betas": None,
+        "eps": None,
+        "fused": trainer.pop("fused_optimizer", True),
+        "kwargs": {},
+    }
+    trainer.setdefault("ema_decay", None)
+    trainer.setdefault("patience", None)
+    return {**saved, "trainer": trainer, "optimizer": optimizer}
