@@ -1,8 +1,11 @@
-"""DistributedDataParallel as configured in configs/dist/: its knobs, a compressing comm hook, and
-(dist.time_comm) a hook that times the gradient all-reduces."""
+"""The one place the model is wrapped for dist.strategy: DistributedDataParallel as configured in
+configs/dist/ (its knobs, a compressing comm hook, and with dist.time_comm a hook that times the
+gradient all-reduces), or FSDP2's sharding (fsdp.py); activation checkpointing under either."""
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,8 +14,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config.schema import CommHook, DistConfig
+from ..config.schema import CommHook, DistConfig, Precision, Strategy
 from ..core.world import World
+from . import fsdp
 
 COMM_HOOKS = {
     CommHook.default: None,  # DDP's built-in all-reduce, in C++
@@ -22,10 +26,19 @@ COMM_HOOKS = {
 
 
 def wrap(
-    module: nn.Module, cfg: DistConfig, device: torch.device, world: World
+    module: nn.Module,
+    cfg: DistConfig,
+    device: torch.device,
+    world: World,
+    precision: Precision = Precision.fp32,
 ) -> tuple[nn.Module, "CommTimer | None"]:
     """DDP over several processes. One process trains the bare module: DDP's bucket copies and
-    hooks would only slow its step."""
+    hooks would only slow its step. fsdp2 shards `module` in place (on one process too: its
+    mixed-precision policy holds there) and returns it."""
+    if cfg.activation_checkpointing:
+        fsdp.checkpoint_activations(module)
+    if cfg.strategy is Strategy.fsdp2:
+        return fsdp.shard(module, device, precision), None
     if world.size == 1:
         return module, None
     model = DDP(
@@ -41,6 +54,19 @@ def wrap(
     if timer or hook:  # a Python hook runs for every bucket of every step: only when asked
         model.register_comm_hook(None, timer.hook if timer else hook)
     return model, timer
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """A micro-batch that is not the step's last: its gradients add up locally, not reduced."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif fsdp.sharded(model):
+        with fsdp.no_sync(model):
+            yield
+    else:
+        yield
 
 
 class CommTimer:
