@@ -125,15 +125,19 @@ def check_strategy(config: TrainConfig) -> None:
         "fp16",
         "dist.strategy=fsdp2 trains in bf16 or fp32 (fp16's grad scaler is DDP's here)",
     )
-    for key, default in (("comm_hook", CommHook.default), ("time_comm", False)):
-        value = getattr(dist, key)
-        require(
-            value == default,
-            f"dist.{key}",
-            getattr(value, "value", value),
-            "is a DDP comm hook, which dist.strategy=fsdp2 has none of; "
-            f"set dist.{key}={getattr(default, 'value', default)!s}".replace("False", "false"),
-        )
+    require(
+        dist.comm_hook is CommHook.default,
+        "dist.comm_hook",
+        dist.comm_hook.value,
+        "a DDP comm hook: dist.strategy=fsdp2 reduce-scatters without one; set "
+        "dist.comm_hook=default",
+    )
+    require(
+        not dist.time_comm,
+        "dist.time_comm",
+        "true",
+        "times DDP's all-reduces, which dist.strategy=fsdp2 has none of; set dist.time_comm=false",
+    )
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:

@@ -469,6 +469,14 @@ class Checkpointer:
         self.newest = Path(choice[0])
         # A DCP folder's tensors go straight into the model and optimizer, on any world size.
         dcp_folder = is_dcp(self.newest)
+        if not dcp_folder and any(
+            isinstance(p, DTensor) for p in self.states["model"].parameters()
+        ):
+            raise Incompatible(
+                f"{self.newest.name} is a file checkpoint, which a model sharded by "
+                "dist.strategy=fsdp2 does not load; resume it with dist.strategy=ddp "
+                "trainer.checkpoint_format=dcp until it writes a .dcp folder, then switch"
+            )
         state = read(self.newest, mmap=dcp_folder)
         if dcp_folder:
             self.load_dcp(self.newest)
