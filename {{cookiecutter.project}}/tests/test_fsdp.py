@@ -8,11 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import launch, shared_folder, torchrun
 
 from ddp_project.config.compose import config_problem
+from ddp_project.config.schema import Precision
 from ddp_project.model import Gpt, Mlp
-from ddp_project.run import checkpoint, fsdp
+from ddp_project.run import checkpoint, checkpoint_dcp, ddp, fsdp
 
 # A tiny GPT: 2 blocks, 8 steps of 2 micro-batches, clipped; a DCP checkpoint every 4 steps.
 TINY = (
@@ -223,3 +225,39 @@ def test_fsdp2_with_dcp_and_the_ddp_only_tuning_keys_is_a_good_config():
         "hydra.run.dir=/tmp/x",
     ]
     assert config_problem(overrides) is None
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_block_is_sharded_and_only_the_last_micro_batch_reduces(group_of_one):
+    torch.manual_seed(0)
+    model = Gpt(*tiny_options())
+    names = list(model.state_dict())
+    fsdp.shard(model, torch.device("cpu"), Precision.bf16)
+    assert fsdp.sharded(model) and all(fsdp.sharded(b) for b in model.blocks)
+    tokens = torch.randint(0, 256, (2, 16))
+    with ddp.no_sync(model):  # a micro-batch before the last: gradients kept unsharded
+        model(tokens).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    model(tokens).sum().backward()  # the last: reduce-scattered into each shard
+    assert all(p.grad is not None for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    saved = checkpoint_dcp.tensors(model, optimizer)["model"]
+    assert list(saved) == names  # the bare model's names
+    assert checkpoint.all_finite(model)
+
+
+def test_the_precision_policy_is_bf16_weights_and_fp32_reductions_on_a_gpu_only():
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    policy = fsdp.precision_policy(gpu, Precision.bf16)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    for device, precision in ((cpu, Precision.bf16), (gpu, Precision.fp32)):
+        policy = fsdp.precision_policy(device, precision)
+        assert (policy.param_dtype, policy.reduce_dtype) == (None, None)

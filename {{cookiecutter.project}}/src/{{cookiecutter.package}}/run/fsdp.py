@@ -50,13 +50,18 @@ def checkpointed(forward: Any) -> Any:
 def shard(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
     """fully_shard on each block, then on the root (its remaining parameters). On a GPU under
     trainer.precision=bf16, the gathered parameters are bf16 and the gradients reduced in fp32."""
-    policy = MixedPrecisionPolicy()
-    if device.type == "cuda" and precision is Precision.bf16:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = precision_policy(device, precision)
     for block in blocks(model):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def precision_policy(device: torch.device, precision: Precision) -> MixedPrecisionPolicy:
+    """As autocast (trainer.autocast_for): bf16 on a GPU only; fp16 is refused with fsdp2."""
+    if device.type == "cuda" and precision is Precision.bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def sharded(model: nn.Module) -> bool:
