@@ -27,7 +27,7 @@ TINY = (
     "data.num_samples=512",
     "data.batch_size=4",
     "trainer.grad_accumulation=2",
-    "trainer.max_grad_norm=0.5",
+    "trainer.max_grad_norm=0.1",  # below every step's norm (~0.4): each step clips
     "trainer.warmup_steps=2",
     "trainer.max_steps=8",
     "trainer.log_every=2",
@@ -82,6 +82,10 @@ def runs(request):
 
 def test_fsdp2_follows_ddp_s_loss_curve_and_saves_the_same_plain_names(runs):
     ddp, fsdp2 = runs / "ddp", runs / "fsdp2"
+    log = (fsdp2 / "train.log").read_text()
+    assert "dist.strategy=fsdp2: 2 block(s) and the root sharded over 2 process(es)" in log
+    assert "dist.activation_checkpointing: 2 block(s) recompute their forward" in log
+    assert "sharded" not in (ddp / "train.log").read_text()
     assert len(rows(ddp)) == 4
     assert_same_curve(curve(fsdp2), curve(ddp))
     sharded, replicated = final_model(fsdp2), final_model(ddp)

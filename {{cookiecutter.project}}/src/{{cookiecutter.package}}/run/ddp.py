@@ -3,6 +3,7 @@ configs/dist/ (its knobs, a compressing comm hook, and with dist.time_comm a hoo
 gradient all-reduces), or FSDP2's sharding (fsdp.py); activation checkpointing under either."""
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from ..config.schema import CommHook, DistConfig, Precision, Strategy
 from ..core.world import World
 from . import fsdp
 
+log = logging.getLogger(__name__)
 COMM_HOOKS = {
     CommHook.default: None,  # DDP's built-in all-reduce, in C++
     CommHook.bf16: default_hooks.bf16_compress_hook,
@@ -35,9 +37,18 @@ def wrap(
     """DDP over several processes. One process trains the bare module: DDP's bucket copies and
     hooks would only slow its step. fsdp2 shards `module` in place (on one process too: its
     mixed-precision policy holds there) and returns it."""
+    blocks = len(fsdp.blocks(module))  # a model with none: one group, nothing recomputed
     if cfg.activation_checkpointing:
         fsdp.checkpoint_activations(module)
+        if world.main:
+            log.info("dist.activation_checkpointing: %d block(s) recompute their forward", blocks)
     if cfg.strategy is Strategy.fsdp2:
+        if world.main:
+            log.info(
+                "dist.strategy=fsdp2: %d block(s) and the root sharded over %d process(es)",
+                blocks,
+                world.size,
+            )
         return fsdp.shard(module, device, precision), None
     if world.size == 1:
         return module, None
