@@ -219,6 +219,11 @@ class OptimizerConfig:
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
+class Strategy(Enum):
+    ddp = "ddp"  # a whole replica per process; gradients all-reduced
+    fsdp2 = "fsdp2"  # parameters, gradients and optimizer state sharded (fully_shard)
+
+
 class CommHook(Enum):
     default = "default"  # DDP's own: sum, then divide by the world size
     bf16 = "bf16"  # compress to bf16 for the all-reduce: half the bytes on the wire
@@ -236,6 +241,8 @@ class DistConfig:
     gradient_as_bucket_view: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     static_graph: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     comm_hook: CommHook = MISSING
+    strategy: Strategy = field(default=MISSING, metadata=FREE_ON_RESUME)  # DCP reshards
+    activation_checkpointing: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
     time_comm: bool = field(default=MISSING, metadata=FREE_ON_RESUME)
 
     def __post_init__(self) -> None:

@@ -27,7 +27,15 @@ from .registry import (
     stored_groups,
     stored_options,
 )
-from .schema import NcclConfig, TrainConfig, uses_cuda
+from .schema import (
+    CheckpointFormat,
+    CommHook,
+    NcclConfig,
+    Precision,
+    Strategy,
+    TrainConfig,
+    uses_cuda,
+)
 
 
 def check_devices(config: TrainConfig, world: World) -> None:
@@ -93,10 +101,44 @@ def check_combinations(config: TrainConfig) -> None:
         f"DDP's static graph cannot skip the gradient sync that trainer.grad_accumulation="
         f"{config.trainer.grad_accumulation} needs; set dist.static_graph=false",
     )
+    check_strategy(config)
     model = option_of(type(config.model))
     if model.reads is not None and not isinstance(config.data, model.reads):
         data = option_of(model.reads)
         raise ConfigError(f"model: {model.what} reads {data.what}; use data={data.name}")
+
+
+def check_strategy(config: TrainConfig) -> None:
+    """dist.strategy=fsdp2 with what only DDP does, or what a sharded model cannot do."""
+    dist, trainer = config.dist, config.trainer
+    if dist.strategy is not Strategy.fsdp2:
+        return
+    require(
+        trainer.checkpoint_format is CheckpointFormat.dcp,
+        "trainer.checkpoint_format",
+        "file",
+        "rank 0 alone cannot write a model that dist.strategy=fsdp2 shards over every rank; "
+        "set trainer.checkpoint_format=dcp",
+    )
+    require(
+        trainer.precision is not Precision.fp16,
+        "trainer.precision",
+        "fp16",
+        "dist.strategy=fsdp2 trains in bf16 or fp32 (fp16's grad scaler is DDP's here)",
+    )
+    require(
+        dist.comm_hook is CommHook.default,
+        "dist.comm_hook",
+        dist.comm_hook.value,
+        "a DDP comm hook: dist.strategy=fsdp2 reduce-scatters without one; set "
+        "dist.comm_hook=default",
+    )
+    require(
+        not dist.time_comm,
+        "dist.time_comm",
+        "true",
+        "times DDP's all-reduces, which dist.strategy=fsdp2 has none of; set dist.time_comm=false",
+    )
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..core import files
 from ..core.exits import Exit
@@ -193,9 +194,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def all_finite(module: torch.nn.Module) -> bool:
-    """One GPU sync: for the rare moments a checkpoint is written."""
-    flags = [torch.isfinite(p).all() for p in module.parameters()]
-    return bool(torch.stack(flags).all()) if flags else True
+    """One GPU sync: for the rare moments a checkpoint is written. A sharded model's (fsdp2)
+    ranks each see their shards: they agree through an all-reduce, so all stop together."""
+    params = list(module.parameters())
+    shards = [local(p) for p in params]
+    flags = [torch.isfinite(p).all() for p in shards]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    if any(isinstance(p, DTensor) for p in params) and dist.get_world_size() > 1:
+        finite = finite.float()
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Snapshot:
@@ -223,6 +236,7 @@ class Snapshot:
         seen: set[tuple[Any, ...]] = set()
 
         def walk(value: Any, where: tuple[Any, ...]) -> None:
+            value = local(value)  # a shard (fsdp2): its buffer holds this rank's part
             if isinstance(value, torch.Tensor):
                 shared = (
                     value.device.type,
@@ -261,6 +275,15 @@ class Snapshot:
         return copied
 
     def copy(self, value: Any, where: tuple[Any, ...], memo: dict) -> Any:
+        if isinstance(value, DTensor):  # a shard (fsdp2): this rank's part, sharded as it was
+            return DTensor.from_local(
+                self.copy(value.to_local(), where, memo),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         if isinstance(value, torch.Tensor):
             shared = (value.device.type, value.data_ptr(), value.shape, value.stride(), value.dtype)
             if shared not in memo:
@@ -295,6 +318,7 @@ def state_bytes(state: Any) -> int:
     seen: dict[tuple[str, int], int] = {}
 
     def walk(value: Any) -> None:
+        value = local(value)
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             seen[(value.device.type, storage.data_ptr())] = storage.nbytes()
@@ -445,6 +469,14 @@ class Checkpointer:
         self.newest = Path(choice[0])
         # A DCP folder's tensors go straight into the model and optimizer, on any world size.
         dcp_folder = is_dcp(self.newest)
+        if not dcp_folder and any(
+            isinstance(p, DTensor) for p in self.states["model"].parameters()
+        ):
+            raise Incompatible(
+                f"{self.newest.name} is a file checkpoint, which a model sharded by "
+                "dist.strategy=fsdp2 does not load; resume it with dist.strategy=ddp "
+                "trainer.checkpoint_format=dcp until it writes a .dcp folder, then switch"
+            )
         state = read(self.newest, mmap=dcp_folder)
         if dcp_folder:
             self.load_dcp(self.newest)

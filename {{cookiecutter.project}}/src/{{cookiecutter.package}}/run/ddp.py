@@ -1,8 +1,12 @@
-"""DistributedDataParallel as configured in configs/dist/: its knobs, a compressing comm hook, and
-(dist.time_comm) a hook that times the gradient all-reduces."""
+"""The one place the model is wrapped for dist.strategy: DistributedDataParallel as configured in
+configs/dist/ (its knobs, a compressing comm hook, and with dist.time_comm a hook that times the
+gradient all-reduces), or FSDP2's sharding (fsdp.py); activation checkpointing under either."""
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as objects.
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,9 +15,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config.schema import CommHook, DistConfig
+from ..config.schema import CommHook, DistConfig, Precision, Strategy
 from ..core.world import World
+from . import fsdp
 
+log = logging.getLogger(__name__)
 COMM_HOOKS = {
     CommHook.default: None,  # DDP's built-in all-reduce, in C++
     CommHook.bf16: default_hooks.bf16_compress_hook,
@@ -22,10 +28,28 @@ COMM_HOOKS = {
 
 
 def wrap(
-    module: nn.Module, cfg: DistConfig, device: torch.device, world: World
+    module: nn.Module,
+    cfg: DistConfig,
+    device: torch.device,
+    world: World,
+    precision: Precision = Precision.fp32,
 ) -> tuple[nn.Module, "CommTimer | None"]:
     """DDP over several processes. One process trains the bare module: DDP's bucket copies and
-    hooks would only slow its step."""
+    hooks would only slow its step. fsdp2 shards `module` in place (on one process too: its
+    mixed-precision policy holds there) and returns it."""
+    blocks = len(fsdp.blocks(module))  # a model with none: one group, nothing recomputed
+    if cfg.activation_checkpointing:
+        fsdp.checkpoint_activations(module)
+        if world.main:
+            log.info("dist.activation_checkpointing: %d block(s) recompute their forward", blocks)
+    if cfg.strategy is Strategy.fsdp2:
+        if world.main:
+            log.info(
+                "dist.strategy=fsdp2: %d block(s) and the root sharded over %d process(es)",
+                blocks,
+                world.size,
+            )
+        return fsdp.shard(module, device, precision), None
     if world.size == 1:
         return module, None
     model = DDP(
@@ -41,6 +65,19 @@ def wrap(
     if timer or hook:  # a Python hook runs for every bucket of every step: only when asked
         model.register_comm_hook(None, timer.hook if timer else hook)
     return model, timer
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """A micro-batch that is not the step's last: its gradients add up locally, not reduced."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif fsdp.sharded(model):
+        with fsdp.no_sync(model):
+            yield
+    else:
+        yield
 
 
 class CommTimer:

@@ -20,6 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from ..config.options import DataConfig
 from ..core.world import World
+from . import fsdp
 from .batches import epoch_batches, ignore_sigterm
 
 
@@ -61,15 +62,18 @@ def score(
     """The model's loss and accuracy over every rank's batches (the first `limit` of them), in
     eval mode (its mode is put back). stop() is asked before each batch: a rank told to stop
     scores no more, and every rank's figures say they are incomplete (the one all-reduce carries
-    it). progress() is called after each batch: scoring a large set is no stalled step."""
+    it). progress() is called after each batch: scoring a large set is no stalled step. A model
+    sharded over the ranks (dist.strategy=fsdp2) gathers its blocks in each forward, every rank
+    at once: there the ranks agree on stopping before each batch (one small all-reduce)."""
     # loss x predictions, correct, predictions, ranks stopped part-way: one all-reduce
     sums = torch.zeros(4, device=device, dtype=torch.float64)
     training = model.training
+    agree = world.size > 1 and fsdp.sharded(model)
     model.eval()
     try:
         with torch.no_grad(), autocast():
             for inputs, labels in itertools.islice(epoch_batches(batches), limit):
-                if stop():
+                if agreed_stop(stop(), device) if agree else stop():
                     sums[3] = 1
                     break
                 inputs, labels = inputs.to(device), labels.to(device)
@@ -90,3 +94,10 @@ def score(
         predictions=int(predictions),
         complete=not stopped,
     )
+
+
+def agreed_stop(asked: bool, device: torch.device) -> bool:
+    """Whether any rank was asked to stop."""
+    flag = torch.tensor([float(asked)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

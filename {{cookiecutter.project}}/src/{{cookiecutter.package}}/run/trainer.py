@@ -1,7 +1,8 @@
 """The training loop: build, resume, step, log, stop. train.py runs it in every process.
 
 An optimizer step runs trainer.grad_accumulation micro-batches (the nested loop in step()): DDP
-all-reduces the gradients during the last one's backward, the others run under no_sync. Nothing
+all-reduces (FSDP2 reduce-scatters) the gradients during the last one's backward, the others run
+under no_sync. Nothing
 in a step waits for the GPU; the loss stays on the device until a log window ends.
 """
 
@@ -20,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
 from ..config.optimizer import upgraded
@@ -31,7 +31,7 @@ from ..nccl import process_group
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
 from ..record import metrics, perf
 from ..record.startup import Timeline
-from . import compilation, ddp, optimizer, schedule, scoring
+from . import compilation, ddp, fsdp, optimizer, schedule, scoring
 from .batches import build_loader, epoch_batches
 from .checkpoint import Checkpointer, CheckpointFailed, Diverged, Incompatible, Progress
 from .ema import EMA
@@ -150,7 +150,9 @@ class Trainer:
         self.timeline.mark("data")
         with device:  # initialised where it trains: no host copy of the weights
             self.module = builder_of(cfg.model)(cfg.model, cfg.data)
-        self.model, self.comm_timer = ddp.wrap(self.module, cfg.dist, device, world)
+        self.model, self.comm_timer = ddp.wrap(
+            self.module, cfg.dist, device, world, cfg.trainer.precision
+        )
         self.compiled = compilation.compiles(cfg, device)
         if cfg.trainer.compile and not self.compiled and world.main:
             log.info(
@@ -162,7 +164,7 @@ class Trainer:
         self.recompiles = compilation.Recompiles()
         self.timeline.mark(
             "model"
-        )  # built, wrapped in DDP, torch.compile set up (it compiles later)
+        )  # built, wrapped (dist.strategy), torch.compile set up (it compiles later)
         self.optimizer = optimizer.build(cfg.optimizer, self.module, cfg.trainer.lr, device)
         self.fresh_optimizer = self.optimizer.state_dict()  # no state yet: small, for resume()
         # fp32 on the training device, beside the model: None without trainer.ema_decay
@@ -477,8 +479,8 @@ class Trainer:
             group["lr"] = lr
         count, losses = len(micro_batches), []
         for i, (inputs, labels) in enumerate(micro_batches, start=1):
-            # DDP all-reduces during the last micro-batch's backward; the others add up locally.
-            with nullcontext() if i == count else self.no_sync():
+            # Reduced during the last micro-batch's backward; the others add up locally.
+            with nullcontext() if i == count else ddp.no_sync(self.model):
                 with self.autocast():
                     logits = self.forward(inputs)
                     loss = self.loss(logits, labels)
@@ -509,9 +511,6 @@ class Trainer:
         found = self.scaler._found_inf_per_device(self.optimizer)  # what step() acted on
         return sum(found.values()) if found else None
 
-    def no_sync(self) -> Any:
-        return self.model.no_sync() if isinstance(self.model, DDP) else nullcontext()
-
     def gradient_norm(self) -> torch.Tensor | None:
         """The gradients' global norm, clipped to trainer.max_grad_norm. None when neither
         clipping nor skipping needs it: it costs a pass over every gradient."""
@@ -519,10 +518,11 @@ class Trainer:
         if max_norm is None and self.cfg.trainer.on_nonfinite is not OnNonFinite.skip:
             return None
         self.scaler.unscale_(self.optimizer)
-        if max_norm is None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = fsdp.whole(torch.nn.utils.get_total_norm(grads))  # fsdp2's: over every shard
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        return norm
 
     def skips(self, grad_norm: torch.Tensor | None) -> bool:
         """on_nonfinite=skip: whether to drop this step's update (one GPU sync per step). The
