@@ -59,12 +59,17 @@ LOG_LINE_STARTS = ("training diverged: ",)
 OVERRIDE = re.compile(r"^[+~]?[a-z][a-z0-9_]*(\.[A-Za-z0-9_]+)*=\S+$")
 HEADING = re.compile(r"^#+ (.*)$", re.MULTILINE)
 NOT_HYDRA = {"iommu=pt": "a kernel parameter"}  # key=value in prose that is not an override
+# key=value in prose that generate or export takes (not Hydra): read by that command's parser
+ARGUMENTS = {
+    "generate": {"ckpt", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "seed", "weights"},
+    "export": {"out", "overwrite"},
+}
 
 
 @dataclass(frozen=True)
 class Found:
     readme: str  # template, project, local (configs/local/README.md) or docs/<page>.md
-    kind: str  # command, override, error (a `config error:` line shown) or yaml
+    kind: str  # command, override, argument (generate's, export's), error (a `config error:` line) or yaml
     text: str
     section: str = ""  # the heading above it
     expected: str = ""  # for a `$ ` line: the output shown under it
@@ -102,6 +107,8 @@ def extract(text: str, readme: str, project: str = "ddp-project") -> list[Found]
                 found.append(Found(readme, "error", content, section))
             elif content in NOT_HYDRA:
                 continue
+            elif all(OVERRIDE.match(w) and w.split("=")[0] in set().union(*ARGUMENTS.values()) for w in words):
+                found.append(Found(readme, "argument", content, section))
             elif all(OVERRIDE.match(word) for word in words):  # one line's worth: checked together
                 found.append(Found(readme, "override", content, section))
             elif len(words) == 1 and not words[0].startswith("./"):
@@ -164,7 +171,7 @@ CLASSIFIED = [
     (r"python -m {package}\.(k8s|data)( |$)", "module-run"),
     (r"python -m {package}\.train (--cfg job|-m \.\.\.)$", "module-run"),
     (r"python -m {package}\.(bench|doctor|metrics)( |$)", "module-parse"),
-    (r"python -m {package}\.evaluate( |$)", "evaluate"),
+    (r"python -m {package}\.(evaluate|generate|export)( |$)", "evaluate"),  # their parse()
     (r"python -m pytest( |$)", "generated-suite"),
     (r"pytest -m render$", "generated-suite"),  # the renders' selection, run by test_project
     (r"torchrun .* -m {package}\.train", "torchrun"),
@@ -560,6 +567,17 @@ class Plan:
         else:
             self.add(found, text, module=f"{self.package}.check", argv=words, how="run")
 
+    def argument(self, found: Found) -> None:
+        """generate's or export's key=value, through that command's parse() with what it needs
+        beside it (a prompt, an out folder)."""
+        words = shlex.split(found.text)
+        keys = {word.split("=")[0] for word in words}
+        command = "export" if keys & ARGUMENTS["export"] else "generate"
+        needed = {"generate": ["prompt=x"] if not keys & {"prompt", "prompt_ids"} else [],
+                  "export": ["out=x"] if "out" not in keys else []}[command]  # fmt: skip
+        self.add(found, f"{command}: {found.text}", module=f"{self.package}.{command}", argv=[*words, *needed],
+                 how="evaluate")  # fmt: skip
+
     def error(self, found: Found) -> None:
         override = re.match(r"config error: (\S+?=\S+?): ", found.text).group(1)
         self.add(found, found.text, module=f"{self.package}.check", argv=[override], how="run",
@@ -651,6 +669,8 @@ def plan(found, default_project, installed_default, tmp_path_factory) -> Plan:
             plan.command(item, item.text, item.context)
         elif item.kind == "override":
             plan.override(item)
+        elif item.kind == "argument":
+            plan.argument(item)
         elif item.kind == "error":
             plan.error(item)
     yaml_copy = tmp / "yaml" / default_project.name  # the YAML examples, in a copy of their own
@@ -711,7 +731,7 @@ def test_every_hydra_override_a_readme_shows_is_accepted_by_check(plan):
     """Inline ones (`nccl=pcie_safe`, `logger=[tensorboard,wandb]`) one by one; those on a command
     line went through check with their command. The ones shown as refused are refused, in one
     line; a `config error:` line shown is the one check prints."""
-    steps = [s for s in plan.steps if s.found.kind in ("override", "error")]
+    steps = [s for s in plan.steps if s.found.kind in ("override", "argument", "error")]
     assert {s.found.text for s in steps} >= {"logger=[tensorboard,wandb]", "nccl.p2p_disable=maybe"}
     bad = problems(steps)
     assert bad == [], "\n".join(bad)

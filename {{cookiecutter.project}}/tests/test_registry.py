@@ -36,6 +36,7 @@ from ddp_project.config.schema import register_configs
 from ddp_project.core.world import World
 from ddp_project.model import build_model
 from ddp_project.run import checkpoint, rundir
+from ddp_project.run.saved import load as read_checkpoint
 from ddp_project.run.trainer import Trainer
 
 
@@ -173,7 +174,7 @@ def test_a_model_and_data_added_through_the_registry_compose_check_train_and_are
 
     # Scored: the checkpoint's config finds its schemas in the registry (validate.from_saved).
     path = run_dir / "checkpoints" / "step_000000020.pt"
-    result = evaluate.evaluate(path, evaluate.load(path), [], World())
+    result = evaluate.evaluate(path, read_checkpoint(path), [], World())
     assert result["step"] == 20 and result["held_out_predictions"] == 640 // HELD_OUT
     assert result["accuracy"] > 0.9  # the sign of a sum: a linear layer learns it in 20 steps
 
@@ -218,11 +219,11 @@ def test_a_model_with_another_models_keys_is_scored_and_resumed_as_itself(
         state["config"], [], World(), held_out=True, recorded=state["options"]
     )
     assert isinstance(build_model(saved.model, saved.data), ResMlp)
-    result = evaluate.evaluate(path, evaluate.load(path), [], World())
+    result = evaluate.evaluate(path, read_checkpoint(path), [], World())
     (row,) = [r for r in map(json.loads, (resmlp_run / "metrics.jsonl").open()) if r["step"] == 20]
     assert (result["loss"], result["accuracy"]) == (row["val_loss"], row["val_accuracy"])
     with pytest.raises(ConfigError) as told:  # the checkpoint's option is no user's to change
-        evaluate.evaluate(path, evaluate.load(path), [], World(), told={"model": "mlp"})
+        evaluate.evaluate(path, read_checkpoint(path), [], World(), told={"model": "mlp"})
     assert str(told.value) == (
         "model=mlp: the checkpoint was trained with model=resmlp, which builds it; leave model= out"
     )

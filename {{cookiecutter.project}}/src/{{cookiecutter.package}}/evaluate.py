@@ -19,14 +19,10 @@ and accuracy over all of them go to `<run dir>/eval/step_<N>.json` and to one pr
 from __future__ import annotations
 
 import json
-import pickle
 import sys
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
 
 from . import PACKAGE
@@ -42,134 +38,12 @@ from .data import build_dataset
 from .model import build_model
 from .nccl import process_group
 from .run import checkpoint, scoring
+from .run.saved import USAGE, find_checkpoint, load_weights
 from .run.trainer import autocast_for
 
 # What an evaluation may change in the checkpoint's config: how the data is read and where.
 ADJUSTABLE = marked_keys(EVALUATE_SETS)  # the rest comes from the checkpoint's config
-NEEDED = ("step", "model", "config")  # what scoring reads from a checkpoint
-ZIP = b"PK\x03\x04"  # torch.save's format: a zip archive
-USAGE = "write ckpt=<file|run dir|latest> or key=value"
 HELP = ("-h", "--help")
-
-
-def load(path: Path) -> dict[str, Any]:
-    """The checkpoint in `path`; a ConfigError that names the file and why it is none.
-    torch.load's own errors on a file that is not a checkpoint are cryptic (`KeyError: 101`
-    for a text file), so the cheap cases are told apart first."""
-
-    def refuse(why: str) -> ConfigError:
-        return ConfigError(f"ckpt={path}: {why}")
-
-    if checkpoint.is_dcp(path):
-        try:
-            return checkpoint.read(path)
-        except Exception as err:  # a share missing or cut short, no metadata: DCP's words
-            raise refuse(f"cannot be loaded: {' '.join(str(err).split())[:200]}") from None
-    try:
-        with path.open("rb") as file:
-            head = file.read(len(ZIP))
-    except OSError as err:
-        raise refuse(f"cannot be read: {err.strerror or err}") from None
-    if not head:
-        raise refuse("the file is empty")
-    if head != ZIP and not head.startswith(b"\x80"):  # nor the legacy (pickle) format
-        raise refuse(
-            f"not a checkpoint: torch.save writes a zip archive; this file starts {head!r}"
-        )
-    if head == ZIP and not zipfile.is_zipfile(path):
-        raise refuse(
-            "truncated or corrupt: its zip archive has no end (a copy or write cut short?)"
-        )
-    try:
-        with warnings.catch_warnings():  # torch warns of pickle protocols before refusing them
-            warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise refuse(
-            "holds Python objects beyond tensors and plain data, which no checkpoint of "
-            "this project does; not loaded (torch.load weights_only)"
-        ) from None
-    except Exception as err:  # a damaged archive: torch says what it could not read
-        raise refuse(f"cannot be loaded: {' '.join(str(err).split())[:200]}") from None
-    if not isinstance(state, dict):
-        raise refuse(f"not a training checkpoint: it holds a {type(state).__name__}, not a dict")
-    missing = [key for key in NEEDED if key not in state]
-    if missing:
-        keys = ", ".join(sorted(map(str, state))[:8]) or "none"
-        raise refuse(
-            f"not a training checkpoint: it has no {', '.join(missing)} (its keys: {keys})"
-        )
-    return state
-
-
-def newest_usable(runs: list[Path]) -> tuple[Path | None, dict[str, Any], list[str]]:
-    """The newest checkpoint across `runs` (newest run first) that loads, its state, and what
-    was passed over on the way, each with why."""
-    passed = []
-    for run in runs:
-        paths = checkpoint.checkpoint_paths(run)
-        if not paths:
-            passed.append(f"{run} (no checkpoint)")
-        for path in reversed(paths):
-            try:
-                return path, load(path), passed
-            except ConfigError as err:
-                passed.append(str(err).removeprefix("ckpt="))
-    return None, {}, passed
-
-
-def find_checkpoint(ckpt: str, outputs: Path = Path("outputs")) -> tuple[Path, dict[str, Any], str]:
-    """A checkpoint from `ckpt`, its state, and a note when newer ones were passed over: a file;
-    a run dir (its newest that loads); or latest (the newest that loads across the runs in
-    outputs/, newest run first: run names sort by their start time)."""
-    if not ckpt:
-        raise ConfigError(f"ckpt= is empty; {USAGE}")
-    path = Path(ckpt)
-    try:
-        kind = "dir" if path.is_dir() else "file" if path.is_file() else path.exists() and "other"
-    except OSError as err:  # a name too long, say: nothing to find there
-        shown = ckpt if len(ckpt) <= 120 else f"{ckpt[:100]}..."
-        raise ConfigError(f"ckpt={shown}: {err.strerror or err}") from None
-    if ckpt == "latest":
-        try:
-            runs = (
-                sorted(  # not .compile-cache (compilation.keep_caches_in): no run
-                    (p for p in outputs.iterdir() if p.is_dir() and p.name[:1] != "."), reverse=True
-                )
-                if outputs.is_dir()
-                else []
-            )
-        except OSError as err:
-            raise ConfigError(
-                f"ckpt=latest: cannot list {outputs}/: {err.strerror or err}"
-            ) from None
-        none, where = f"no run under {outputs}/ has a checkpoint", f"under {outputs}/"
-    elif kind == "dir" and checkpoint.is_dcp(path):  # a step_<N>.dcp folder: one checkpoint
-        return path, load(path), ""
-    elif kind == "dir":
-        if path.name == "checkpoints" and not (path / "checkpoints").is_dir():
-            path = path.parent  # the run's checkpoints/ folder named instead of the run
-        runs, where = [path], f"in {path / 'checkpoints'}"
-        none = f"no checkpoint {where}"
-    elif kind == "file":
-        return path, load(path), ""
-    else:
-        what = "not a regular file nor a run dir" if kind else "no such file or run dir"
-        raise ConfigError(f"ckpt={ckpt}: {what}")
-    found, state, passed = newest_usable(runs)
-    damaged = [p for p in passed if not p.endswith("(no checkpoint)")]
-    if found is None and not damaged:
-        raise ConfigError(f"ckpt={ckpt}: {none}")
-    if found is None:
-        raise ConfigError(f"ckpt={ckpt}: no checkpoint {where} loads; the newest: {damaged[0]}")
-    note = ""
-    if passed:
-        more = f" and {len(passed) - 2} more" if len(passed) > 2 else ""
-        note = (
-            f"ckpt={ckpt}: scoring {found}, the newest that loads; "
-            f"passed over {'; '.join(passed[:2])}{more}"
-        )
-    return found, state, note
 
 
 def parse(args: list[str]) -> tuple[str, list[str], dict[str, str]]:
@@ -237,13 +111,7 @@ def evaluate(
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
         with device:
             model = build_model(cfg.model, cfg.data)
-        try:
-            model.load_state_dict(state["model"])
-        except (RuntimeError, TypeError, AttributeError) as err:
-            reason = " ".join(str(err).split())[:200]
-            raise ConfigError(
-                f"ckpt={path}: its weights do not fit its own config's model: {reason}"
-            ) from None
+        load_weights(model, state["model"], path, "model")
         result = scoring.score(
             model,
             scoring.held_out_batches(data, cfg.data, world),
@@ -289,7 +157,7 @@ def main() -> int:
     world = World.from_env()
     try:
         ckpt, overrides, told = parse(sys.argv[1:])
-        path, state, note = find_checkpoint(ckpt)
+        path, state, note = find_checkpoint(ckpt, doing="scoring")
         if note and world.local_rank == 0:
             print(note, file=sys.stderr)
         result = evaluate(path, state, overrides, world, told)
