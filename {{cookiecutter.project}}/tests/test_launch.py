@@ -59,7 +59,12 @@ def stderr_lines(stderr: str) -> list[str]:
             ["--cfg", "job"],
             f"{launcher.COMMAND} train: --cfg: not a torchrun option; Hydra's own flags",
         ),
-        (["-m", "x"], f"{launcher.COMMAND} train: -m: the launcher runs -m {PACKAGE}.train itself"),
+        (["--module", "x"], f"{launcher.COMMAND} train: --module: the launcher runs -m"),
+        # A sweep: one process per trial (python -m <package>.train -m), never one per rank.
+        (["-m", "trainer.lr=0.1,0.2"], f"{launcher.COMMAND} train: -m: a sweep runs in one"),
+        (["--multirun", "x=1"], f"{launcher.COMMAND} train: --multirun: a sweep runs in one"),
+        (["hparams_search=optuna"], f"{launcher.COMMAND} train: hparams_search=optuna: a sweep"),
+        (["hydra.mode=MULTIRUN"], f"{launcher.COMMAND} train: hydra.mode=MULTIRUN: a sweep"),
     ],
 )
 def test_a_bad_argument_is_one_line_before_any_worker_starts(

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import hydra
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -66,7 +67,7 @@ from .nccl import decision as nccl
 from .nccl import failfast, process_group
 from .record import metrics
 from .record.startup import Timeline
-from .run import checkpoint, compilation, rundir, stopping
+from .run import checkpoint, compilation, profiling, rundir, stopping
 from .run.nccl_env import apply_nccl_env
 from .run.trainer import Trainer
 
@@ -143,7 +144,11 @@ def report_cpu_settings(cfg: TrainConfig) -> None:
         )
 
 
-def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[str]) -> None:
+def main_worker(
+    cfg: TrainConfig, world: World, run_dir: Path, overrides: list[str]
+) -> float | None:
+    """Train; rank 0 returns the run's best val_loss (None without validation), the others
+    None."""
     timeline = Timeline(IMPORTED_AT)
     timeline.mark("config")  # Hydra's composing and the checks
     cuda = uses_cuda(cfg.dist.backend)  # decided once: the device, compiling, the start-up line
@@ -159,7 +164,7 @@ def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[s
         ("node probe" if cfg.nccl.auto else "NCCL environment") if cuda else "environment"
     )
     device = process_group.select_device(cuda, world)
-    exit_code = 0
+    exit_code, score = 0, None
     with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
 
         def fail(failure: failfast.CollectiveFailure) -> NoReturn:
@@ -224,6 +229,10 @@ def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[s
             process_group.finish_together()
             if world.main:
                 metrics.plot_and_log(run_dir)
+                score = metrics.best_val_loss(run_dir)
+        except torch.OutOfMemoryError as err:  # the others fail in their next collective
+            print(profiling.out_of_memory_line(err, world.rank, cfg), file=sys.stderr, flush=True)
+            end_now(Exit.FAILED)
         except Exception as err:
             failure = failfast.as_collective_failure(err, phase, dist.get_backend())
             if failure is None:
@@ -235,6 +244,7 @@ def main_worker(cfg: TrainConfig, world: World, run_dir: Path, overrides: list[s
                 orphan_watch.stop()
     if exit_code:
         sys.exit(exit_code)
+    return score
 
 
 def end_before_the_others(err: LoggerError, world: World, run_dir: Path) -> NoReturn:
@@ -268,15 +278,16 @@ def stop_quietly(signals: stopping.StopSignals) -> NoReturn:
     config_path=f"pkg://{PACKAGE}.configs",
     config_name="train",
 )
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     """Hydra has composed the config; config.compose.ConfigCheck has checked it. Call
-    register_configs() first, as __main__ does."""
+    register_configs() first, as __main__ does. Returns the run's best (lowest) val_loss, which
+    a sweeper (-m, hparams_search=optuna) minimises; None without validation."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     world = World.from_env()  # torchrun's, for this worker: read once, passed down
     # Hydra hands the task its config without the hydra node: the NCCL profile chosen is said here.
     config = check_composed(cfg, world, nccl_choice=hydra_cfg.runtime.choices.get("nccl"))
-    main_worker(config, world, run_dir, list(hydra_cfg.overrides.task))
+    return main_worker(config, world, run_dir, list(hydra_cfg.overrides.task))
 
 
 if __name__ == "__main__":

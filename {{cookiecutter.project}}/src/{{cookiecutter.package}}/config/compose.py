@@ -198,6 +198,26 @@ def config_problem(overrides: list[str], world: World | None = None) -> str | No
     return None
 
 
+def sweep_problem(composed: DictConfig, config: TrainConfig, world: World) -> str | None:
+    """A sweep (-m, hparams_search=) that cannot work, as one line; else None. Under torchrun
+    every process would run a sweep of its own, each its own trials (a sampler's too), and make
+    a process group per trial from one rendezvous: a sweep runs in one process per trial."""
+    if world.launched:
+        return (
+            f"a sweep (-m, hparams_search=) under torchrun: each of the {world.size} process(es) "
+            f"would run a sweep of its own; run it in one process, python -m {PACKAGE}.train -m "
+            "..., or one Kubernetes Job per trial (docs/sweeps.md)"
+        )
+    sweeper = str(OmegaConf.select(composed, "hydra.sweeper._target_", default=""))
+    if not sweeper.endswith(".BasicSweeper") and not config.trainer.val_every:
+        return (
+            f"trainer.val_every=0: the sweeper {sweeper.rpartition('.')[2]} minimises the "
+            "val_loss train returns, which a run without validation has none of; set "
+            "trainer.val_every"
+        )
+    return None
+
+
 class ConfigCheck(Callback):
     """Hydra calls this (configs/train.yaml, hydra.callbacks) after composing a run's config and
     before it creates the run dir: a bad value stops every rank in one line, leaving nothing.
@@ -213,7 +233,10 @@ class ConfigCheck(Callback):
         self.check(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
-        self.check(config)  # the sweep's base config: a bad one starts no job
+        checked = self.check(config)  # the sweep's base config: a bad one starts no job
+        problem = sweep_problem(config, checked, self.world)
+        if problem:
+            exit_with_error(f"config error: {problem}", self.world)
 
     def on_job_start(self, config: DictConfig, **kwargs: object) -> None:
         if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:  # a run's one: on_run_start

@@ -73,7 +73,11 @@ def configs_folder() -> Path:
     return Path(str(files(f"{PACKAGE}.configs")))
 
 
-GLOBAL_GROUPS = ("experiment", "local")  # their files set keys anywhere: # @package _global_
+GLOBAL_GROUPS = (
+    "experiment",
+    "local",
+    "hparams_search",
+)  # their files set keys anywhere: # @package _global_
 # Hydra reads `# @key value` lines up to the first other line, blank ones aside.
 GLOBAL_HEADER = re.compile(r"(\s*#\s*@[^\n]*\n|\s*\n)*\s*#\s*@package\s+_global_\s*(\n|$)")
 
@@ -153,10 +157,35 @@ def yaml_file_problem(path: Path, group: str) -> str | None:
 def hydra_argv(argv: list[str]) -> list[str]:
     """train's command line before Hydra reads it: a configs/ file that is not YAML raises
     ConfigError, and the overrides are rewritten as hydra_overrides says."""
-    problem = yaml_problem(configs_folder())
+    problem = yaml_problem(configs_folder()) or sweeper_problem(argv)
     if problem:
         raise ConfigError(problem)
     return hydra_overrides(argv)
+
+
+# hparams_search=<name>: the Hydra sweeper plugin its file overrides hydra/sweeper with, and the
+# extra that installs it. Without it Hydra's error names neither.
+SWEEPER_PLUGINS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "sweep")}
+
+
+def sweeper_problem(argv: list[str]) -> str | None:
+    """hparams_search=<name> whose sweeper plugin is not installed, as one line; else None."""
+    import importlib.util
+
+    for arg in argv:
+        key, _, name = arg.lstrip("+").partition("=")
+        if key == "hparams_search" and name in SWEEPER_PLUGINS:
+            module, extra = SWEEPER_PLUGINS[name]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:  # no hydra_plugins at all
+                found = False
+            if not found:
+                return (
+                    f"{arg}: its sweeper plugin ({module}) is not installed; "
+                    f"pip install -e '.[{extra}]'"
+                )
+    return None
 
 
 def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

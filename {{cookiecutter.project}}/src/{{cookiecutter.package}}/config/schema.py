@@ -24,6 +24,7 @@ from .error import ConfigError, require
 from .loggers import LoggersConfig
 from .marks import EVALUATE_SETS, FREE_ON_RESUME
 from .options import DataConfig
+from .profiling import ProfileConfig
 from .registry import stored_options
 
 
@@ -302,6 +303,7 @@ class TrainConfig:
     dist: DistConfig = MISSING
     nccl: NcclConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
     deploy: DeployConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
+    profile: ProfileConfig = field(default=MISSING, metadata=FREE_ON_RESUME)
 
 
 # the groups with one schema each

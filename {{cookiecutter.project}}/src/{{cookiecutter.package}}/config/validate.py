@@ -17,6 +17,7 @@ from ..core.world import World
 from .error import ConfigError, require
 from .optimizer import check_optimizer, upgraded
 from .options import HELD_OUT
+from .overrides import configs_folder
 from .registry import (
     Option,
     fitting,
@@ -190,7 +191,22 @@ def check_composed(
     check_data(config, world, held_out)
     check_combinations(config)
     check_accept_changes(config)
+    if this_node and not held_out:  # a launch's: not k8s/'s rendering, nor evaluate's
+        check_profile_ranks(config, world)
     return config
+
+
+def check_profile_ranks(config: TrainConfig, world: World) -> None:
+    """profile.ranks must be ranks of this launch: one beyond it would profile nothing, silently."""
+    ranks = config.profile.ranks
+    beyond = [rank for rank in ranks or [] if rank >= world.size]
+    require(
+        not (config.profile.on and beyond),
+        "profile.ranks",
+        ranks,
+        f"rank(s) {beyond} are not in this launch of {world.size} process(es) (ranks 0 to "
+        f"{world.size - 1}); null profiles every rank",
+    )
 
 
 def check_profile_name(profile: NcclConfig, chosen: str) -> None:
@@ -250,6 +266,8 @@ def from_saved(
     `recorded`: the checkpoint's options (registry.chosen), which pick each group's schema; `told`:
     those the user named (evaluate's model=<name>), for a checkpoint that records none."""
     parts: dict[str, Any] = {}
+    if "profile" not in saved:  # a checkpoint from before the group: profile=none
+        parts["profile"] = OmegaConf.load(configs_folder() / "profile" / "none.yaml")
     for group, values in upgraded(saved).items():
         if group not in stored_groups():
             parts[group] = values

@@ -21,7 +21,17 @@ from torch.distributed.elastic.rendezvous.utils import (
 from .. import PACKAGE
 
 # torchrun's own ways to name the program: the launcher always runs -m <package>.train.
-PROGRAM_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
+PROGRAM_OPTIONS = {"--module", "--no-python", "--no_python", "--run-path", "--run_path"}
+# Hydra's sweep flag (-m is torchrun's --module too), and the overrides that make a sweep.
+SWEEP_FLAGS = {"-m", "--multirun"}
+SWEEP_KEYS = {"hparams_search": "null", "hydra.mode": "RUN"}  # each with its value of no sweep
+
+
+def sweep_refused(given: str) -> str:
+    return (
+        f"{given}: a sweep runs in one process per trial, python -m {PACKAGE}.train -m ..., or "
+        "one Kubernetes Job per trial (docs/sweeps.md); the launcher starts one run"
+    )
 
 
 class UsageError(Exception):
@@ -35,6 +45,8 @@ def split(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], 
     i = 0
     while i < len(args) and args[i].startswith("-"):
         name = args[i].split("=", 1)[0]
+        if name in SWEEP_FLAGS:
+            raise UsageError(sweep_refused(name))
         if name in PROGRAM_OPTIONS:
             raise UsageError(f"{name}: the launcher runs -m {PACKAGE}.train itself")
         if name not in options:
@@ -44,6 +56,10 @@ def split(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], 
             )
         takes_value = options[name].nargs != 0 and "=" not in args[i]
         i += 2 if takes_value else 1
+    for override in args[i:]:
+        key, _, value = override.lstrip("+").partition("=")
+        if key in SWEEP_KEYS and value not in (SWEEP_KEYS[key], "") and override[:1] != "~":
+            raise UsageError(sweep_refused(override))
     return args[:i], args[i:]
 
 

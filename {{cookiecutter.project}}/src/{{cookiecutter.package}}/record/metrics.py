@@ -284,6 +284,13 @@ def read_rows(run_dir: Path) -> list[dict[str, float | None]]:
     ]
 
 
+def best_val_loss(run_dir: Path) -> float | None:
+    """The lowest val_loss of the run's rows (those before a resume too), or None without one:
+    what train returns to a Hydra sweeper, which minimises it."""
+    scores = [row["val_loss"] for row in read_rows(run_dir) if row.get("val_loss") is not None]
+    return min(scores) if scores else None
+
+
 def plot_metrics(run_dir: Path) -> Path | None:
     """metrics.png: the loss and the throughput against the step. None with fewer than 2 rows:
     one point draws no curve (and a short run skips matplotlib's second of start-up)."""

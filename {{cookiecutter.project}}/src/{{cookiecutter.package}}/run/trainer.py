@@ -31,7 +31,7 @@ from ..nccl import process_group
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
 from ..record import metrics, perf
 from ..record.startup import Timeline
-from . import compilation, ddp, fsdp, optimizer, schedule, scoring
+from . import compilation, ddp, fsdp, optimizer, profiling, schedule, scoring
 from .batches import build_loader, epoch_batches
 from .checkpoint import Checkpointer, CheckpointFailed, Diverged, Incompatible, Progress
 from .ema import EMA
@@ -137,6 +137,9 @@ class Trainer:
         self.cfg, self.world, self.device, self.run_dir = cfg, world, device, run_dir
         self.timeline = timeline or Timeline(time.time())  # the start-up line's
         self.watchdog = watchdog  # told that steps go on
+        # profile=: None unless it asks something of this rank; before the model is built, so
+        # that a memory history of the run (profile.oom_snapshot) holds its weights.
+        self.profiler = profiling.for_rank(cfg.profile, world.rank, device, run_dir)
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
         # a resume on another world size may adjust the accumulation (global_batch.on_resume)
@@ -275,6 +278,7 @@ class Trainer:
                 record.write(pending)
 
         first = True
+        profiler = self.profiler
         self.timeline.mark("the loop's set-up")  # config.yaml, the loggers
         if self.world.main:
             log.info("%s", self.timeline.line())
@@ -284,6 +288,8 @@ class Trainer:
                 while self.progress.step < max_steps:
                     step = self.progress.step + 1
                     log_now = self.ends_window(step)
+                    if profiler is not None:  # profile=none: this check is all it costs
+                        self.window.set_aside(profiler.tick(step))
                     started = time.perf_counter()
                     with preemption.signals.undeferred() if first else nullcontext():
                         self.step([next(batches) for _ in range(accumulation)], log_now)
@@ -332,6 +338,8 @@ class Trainer:
                             log.info("%s", self.early_stopping.line(step))
                         return False
             finally:
+                if profiler is not None:
+                    profiler.finish()  # a window the loop ended inside: as far as it got
                 write_row()  # the step after it failed: the window's figures stand
         return False
 
