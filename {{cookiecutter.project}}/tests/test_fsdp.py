@@ -200,6 +200,10 @@ REFUSED = [
         "dist.time_comm=true: times DDP's all-reduces, which dist.strategy=fsdp2",
     ),
     (
+        "dist.strategy=fsdp2 trainer.checkpoint_format=dcp trainer.ema_decay=0.99",
+        "trainer.ema_decay=0.99: dist.strategy=fsdp2 keeps no EMA yet",
+    ),
+    (
         "dist.strategy=zero3",
         "dist.strategy: Invalid value 'zero3', expected one of [ddp, fsdp2]",
     ),
