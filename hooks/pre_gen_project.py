@@ -56,6 +56,10 @@ THIRD_PARTY = {
     "package_readme", "platformdirs", "pyasn1", "pyasn1_modules", "pycparser", "pydantic",
     "pydantic_core", "requests", "smmap", "sniffio", "sqlparse", "starlette", "typing_inspection",
     "urllib3", "uvicorn", "xxhash", "zipp",
+    # python -m <package>.export writes safetensors; hparams_search=optuna and what it brings
+    "safetensors", "hydra_plugins", "optuna", "alembic", "autopage", "cliff", "cmaes", "cmd2",
+    "colorlog", "mako", "prettytable", "prompt_toolkit", "pyperclip", "rich_argparse", "scipy",
+    "sqlalchemy", "stevedore", "wcwidth",
 }  # fmt: skip
 OWN = {"tests", "test", "src", "configs", "conftest", "outputs", "k8s"}
 SHADOWED = THIRD_PARTY | OWN | set(sys.stdlib_module_names)
