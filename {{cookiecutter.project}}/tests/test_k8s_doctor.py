@@ -447,11 +447,20 @@ def test_k8s_doctor_stops_at_ctrl_c_in_one_line_naming_what_may_be_left(tmp_path
     )
 
 
-def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path):
+# A caller descheduled between the child's exec and Popen's return (a loaded machine): the
+# Ctrl-C lands inside Popen, before the child's group is known to the code that kills it.
+SLOW_POPEN = (
+    "import subprocess, time; real = subprocess.Popen._execute_child; "
+    "subprocess.Popen._execute_child = lambda *a, **k: (real(*a, **k), time.sleep(3))[0]; "
+)
+
+
+@pytest.mark.parametrize("slow_popen", [False, True], ids=["running", "inside-popen"])
+def test_ctrl_c_during_a_profile_kills_its_torchrun_too(tmp_path, slow_popen):
     """A profile's torchrun runs in its own session (the hard timeout kills its group), so the
     terminal's SIGINT never reaches it: the doctor's Ctrl-C must take it down too."""
     pid_file = tmp_path / "child.pid"
-    code = (
+    code = (SLOW_POPEN if slow_popen else "") + (
         f"from {PACKAGE}.nccl import probe; "
         f"probe.run_with_hard_timeout(['sh', '-c', 'echo $$ > {pid_file}; exec sleep 300'], 600)"
     )

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -144,10 +145,27 @@ def run_with_hard_timeout(
     """Run `command` in its own process group; at the timeout, kill the group (a hung CUDA or
     NCCL process may have children of its own)."""
     pipe = subprocess.PIPE if capture else subprocess.DEVNULL
-    process = subprocess.Popen(
-        command, env=env, stdout=pipe, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    # A Ctrl-C while Popen waits for the exec would leave the child, in a session of its own, with
+    # nothing to kill it: it is held until the child's group is known, then raised below.
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # the one that gets signals
+    main = main and signal.getsignal(signal.SIGINT) is not None  # None: not set from Python
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
     try:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=pipe,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    try:
+        if held:
+            signal.raise_signal(signal.SIGINT)  # the caller's handler: KeyboardInterrupt, as a rule
         output, _ = process.communicate(timeout=timeout_s)
         return Outcome("ok" if process.returncode == 0 else "failed", output or "")
     except subprocess.TimeoutExpired:
