@@ -113,7 +113,10 @@ BAD = [
         "data.on_device=true data.num_workers=2",
         "data.num_workers=2: must be 0 with data.on_device=true",
     ),
-    ("experiment=huge", "experiment=huge: no such option; allowed: gpt2_small, gpt_sample, mlp_134m, smoke"),
+    (
+        "experiment=huge",
+        "experiment=huge: no such option; allowed: gpt2_small, gpt_sample, mlp_134m, smoke",
+    ),
     # A typo gets the closest name (difflib), between "no such ..." and "allowed:"; the lists
     # hold the options a user may choose, never a schema's name (mlp_schema: config.py).
     (
