@@ -278,18 +278,22 @@ def test_the_readmes_layout_names_every_module():
 
 
 def test_make_install_leaves_the_loggers_packages_to_make_install_all():
-    """wandb and mlflow are 99 packages and 1.4 GB: make install leaves them out (their tests
-    skip, saying so: conftest.needs), make install-all and CI bring them."""
+    """wandb and mlflow are 99 packages and 1.4 GB, the sweeper brings optuna and its own: make
+    install leaves them out (their tests skip, saying so), make install-all and CI bring them."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     names = {
         extra: {re.split(r"[<>=!~ \[]", dep)[0] for dep in deps} for extra, deps in extras.items()
     }
-    assert not names["dev"] & {"wandb", "mlflow-skinny", "mlflow"}
+    optional = {"wandb", "mlflow-skinny", "mlflow", "hydra-optuna-sweeper", "optuna"}
+    assert not names["dev"] & optional
     assert names["wandb"] == {"wandb"} and names["mlflow"] == {"mlflow-skinny"}
+    assert names["sweep"] == {"hydra-optuna-sweeper", "optuna"}
     makefile = (ROOT / "Makefile").read_text()
     assert "\tpython -m pip install -e '.[dev]'" in recipe(makefile, "install")
-    assert "\tpython -m pip install -e '.[dev,wandb,mlflow]'" in recipe(makefile, "install-all")
+    assert "\tpython -m pip install -e '.[dev,wandb,mlflow,sweep]'" in recipe(
+        makefile, "install-all"
+    )
     workflow = (ROOT / ".github" / "workflows" / "ci.yml").read_text()
     assert "- run: make install-all\n" in workflow and "- run: make test-full\n" in workflow
 
