@@ -614,6 +614,7 @@ def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marke
         "dist.timeout_s",
         "logger.",
         "nccl.",
+        "profile.",  # what is recorded, not what is trained
         "trainer.accept_changes",
         "trainer.async_checkpoint",
         "trainer.checkpoint_every",
