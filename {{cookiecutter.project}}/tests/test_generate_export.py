@@ -487,12 +487,12 @@ def test_a_dcp_checkpoint_generates_and_exports_as_its_file_twin(
     tmp_path, compose_train, run_here, monkeypatch
 ):
     """Two short runs from one seed, one per checkpoint format: the same weights either way."""
-    prepare(SAMPLE, tmp_path / "sample.bin")
+    prepare([SAMPLE], tmp_path / "sample", vocab_size=300)  # a small tokenizer: a fast model
     monkeypatch.chdir(tmp_path)  # data.path is relative, as a user gives it
     for form in ("file", "dcp"):
         cfg = OmegaConf.to_object(compose_train(
-            *TINY, "data.path=sample.bin", "trainer.max_steps=4", "trainer.val_every=0",
-            f"trainer.checkpoint_format={form}", "data.batch_size=4",
+            *TINY, "data.path=sample", "data.vocab_size=null", "trainer.max_steps=4",
+            "trainer.val_every=0", f"trainer.checkpoint_format={form}", "data.batch_size=4",
         ))  # fmt: skip
         train_here(cfg, tmp_path / form)
     shown = {}
@@ -521,15 +521,27 @@ def readme_commands(*sections: str) -> list[str]:
     return lines
 
 
+def make_line(line: str, *more: str) -> list[str]:
+    """The command a README's `make <target> ARGS="..."` line runs, `more` appended to its ARGS,
+    as make expands it (-n: printed, not run): the recipe's last line."""
+    words = shlex.split(line)
+    args = [word for word in words if word.startswith("ARGS=")] or ["ARGS="]
+    rest = [word for word in words[1:] if not word.startswith("ARGS=")]
+    given = " ".join([args[0].removeprefix("ARGS="), *more]).strip()
+    dry = subprocess.run(["make", "-n", "-f", str(ROOT / "Makefile"), *rest, f"ARGS={given}"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return shlex.split(dry.stdout.strip().splitlines()[-1])
+
+
 def test_the_readmes_train_generate_and_export_run_as_written(tmp_path):
-    """The GPT the README trains (shorter: 30 steps, one process), then its generate and export
-    lines as written, then the loading code docs/runs.md shows."""
+    """The README's text, prepared, the GPT trained on it (shorter: 30 steps), then its generate
+    and export lines as written, then the loading code docs/runs.md shows."""
     shutil.copytree(ROOT / "data", tmp_path / "data")
-    lines = readme_commands("Change the model", "Generate and export")
-    train = [line for line in lines if " train " in line and "data.path=" in line][-1]
-    ran = [line for line in lines if " train " not in line]
-    assert [line.split()[2] for line in ran] == [
-        f"{PACKAGE}.data", f"{PACKAGE}.generate", f"{PACKAGE}.generate", f"{PACKAGE}.export"
+    lines = readme_commands("Train on text", "Generate and export")
+    assert [line.split()[:3] for line in lines] == [
+        ["python", "-m", f"{PACKAGE}.data"], ["make", "train-cpu", 'ARGS="experiment=gpt_sample"'],
+        ["python", "-m", f"{PACKAGE}.generate"], ["python", "-m", f"{PACKAGE}.generate"],
+        ["python", "-m", f"{PACKAGE}.export"],
     ]  # fmt: skip
     env = {**users_env(), "OMP_NUM_THREADS": "1"}
 
@@ -537,12 +549,13 @@ def test_the_readmes_train_generate_and_export_run_as_written(tmp_path):
         return subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=240)  # fmt: skip
 
-    done = shell([sys.executable, *shlex.split(ran[0])[1:]])  # python -m ...data
+    done = shell([sys.executable, *shlex.split(lines[0])[1:]])  # python -m ...data
     assert done.returncode == 0, done.stderr
-    words = shlex.split(train)[2:]  # <project> train ...
-    done = shell(launch_command("--nproc-per-node", "1", *words, "trainer.max_steps=30"))
+    words = make_line(lines[1], "trainer.max_steps=30")  # <project> train ...
+    assert words[1] == "train" and words[-2:] == ["experiment=gpt_sample", "trainer.max_steps=30"]
+    done = shell(launch_command(*words[2:]))
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in ran[1:]:
+    for line in lines[2:]:
         done = shell([sys.executable, *shlex.split(line)[1:]])
         assert done.returncode == 0, f"{line}: {done.stderr}"
         if ".generate" in line:
