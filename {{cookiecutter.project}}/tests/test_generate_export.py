@@ -528,7 +528,9 @@ def make_line(line: str, *more: str) -> list[str]:
     args = [word for word in words if word.startswith("ARGS=")] or ["ARGS="]
     rest = [word for word in words[1:] if not word.startswith("ARGS=")]
     given = " ".join([args[0].removeprefix("ARGS="), *more]).strip()
-    dry = subprocess.run(["make", "-n", "-f", str(ROOT / "Makefile"), *rest, f"ARGS={given}"],
+    # --no-print-directory: under a parent make (make test-full) the last line would be "Leaving".
+    make = ["make", "-n", "--no-print-directory", "-f", str(ROOT / "Makefile")]
+    dry = subprocess.run([*make, *rest, f"ARGS={given}"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     return shlex.split(dry.stdout.strip().splitlines()[-1])
 

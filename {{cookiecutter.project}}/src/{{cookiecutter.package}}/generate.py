@@ -43,7 +43,7 @@ from .run.saved import (
 
 HELP = ("-h", "--help")
 MOST_NEW_TOKENS = 100_000  # a forward pass each: more is a typo, not a request
-BYTES = 256  # a model of bytes: the token file python -m <package>.data makes without a tokenizer
+BYTES = 256  # a model of bytes: a token file of UTF-8 bytes, with no tokenizer
 KEYS = {
     "ckpt": "a checkpoint file or .dcp folder, a run dir, or latest (the default)",
     "prompt": "the text to continue",
