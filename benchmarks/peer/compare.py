@@ -53,8 +53,9 @@ class Module(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.cfg.trainer.lr, weight_decay=self.cfg.optimizer.weight_decay,
-                                 fused=self.cfg.optimizer.fused and torch.cuda.is_available())  # fmt: skip
+        optimizer = self.cfg.optimizer
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.trainer.lr, weight_decay=optimizer.weight_decay,
+                                 fused=optimizer.fused and torch.cuda.is_available())  # fmt: skip
 
 
 class Windows(pl.Callback):
