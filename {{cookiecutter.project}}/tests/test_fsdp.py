@@ -96,7 +96,11 @@ def test_fsdp2_follows_ddp_s_loss_curve_and_saves_the_same_plain_names(runs):
 
 @pytest.mark.parametrize(
     ("written_by", "resumed_as", "nproc"),
-    [("ddp", "fsdp2", 2), ("fsdp2", "ddp", 2), ("fsdp2", "fsdp2", 1)],
+    [
+        ("ddp", "fsdp2", 2),
+        pytest.param("fsdp2", "ddp", 2, marks=pytest.mark.slow),  # the same load, the other way
+        pytest.param("fsdp2", "fsdp2", 1, marks=pytest.mark.slow),
+    ],
 )
 def test_a_dcp_checkpoint_resumes_under_the_other_strategy_on_the_same_curve(
     runs, tmp_path, written_by, resumed_as, nproc

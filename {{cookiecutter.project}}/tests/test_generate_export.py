@@ -535,6 +535,7 @@ def make_line(line: str, *more: str) -> list[str]:
     return shlex.split(dry.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 50 CPU-s: the tests above cover generate and export one by one
 def test_the_readmes_train_generate_and_export_run_as_written(tmp_path):
     """The README's text, prepared, the GPT trained on it (shorter: 30 steps), then its generate
     and export lines as written, then the loading code docs/runs.md shows."""

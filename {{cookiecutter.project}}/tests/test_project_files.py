@@ -299,7 +299,7 @@ def test_make_install_leaves_the_loggers_packages_to_make_install_all():
 
 
 def test_make_test_is_the_fast_tier_and_every_skip_says_why():
-    """make test: every test but those marked slow (the failure-injection launches); make
+    """make test: every test but those marked slow (failure injection, long end-to-end runs); make
     test-full: all. -ra: each skip's reason in the summary."""
     makefile = (ROOT / "Makefile").read_text()
     assert '\tpython -m pytest -m "not slow"' in recipe(makefile, "test")

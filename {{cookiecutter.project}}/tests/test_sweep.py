@@ -91,6 +91,7 @@ def test_a_sweep_gets_each_runs_lowest_val_loss_and_profiles_nothing(tmp_path):
     assert not list(swept.glob("*/profile"))  # profile=none: no folder, no file
 
 
+@pytest.mark.slow  # a search of several jobs: the test above sweeps through the same return
 @pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None
     if importlib.util.find_spec("hydra_plugins")
