@@ -174,6 +174,26 @@ def compose_train():
     return _compose
 
 
+@pytest.fixture
+def trainer_for(compose_train, tmp_path):
+    """trainer_for(*overrides, run="run") -> a Trainer of one CPU process (gloo), in process,
+    its run dir tmp_path/run."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import ddp_project.data  # noqa: F401  (registers the data options)
+    import ddp_project.model  # noqa: F401  (and the models)
+    from ddp_project.core.world import World
+    from ddp_project.run.trainer import Trainer
+
+    def make(*overrides: str, run: str = "run") -> Trainer:
+        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
+        (tmp_path / run).mkdir(exist_ok=True)
+        return Trainer(cfg, World(), torch.device("cpu"), tmp_path / run)
+
+    return make
+
+
 def train_command(*overrides: str, nproc: int = 2) -> list[str]:
     """`torchrun --standalone --nproc-per-node N -m <package>.train <overrides>`."""
     return [

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 import ddp_project.data  # noqa: F401
@@ -19,16 +18,6 @@ from ddp_project.run.ema import EMA
 from ddp_project.run.trainer import Trainer
 
 ONE = World()
-
-
-@pytest.fixture
-def trainer_for(compose_train, tmp_path):
-    def make(*overrides: str, run: str = "run") -> Trainer:
-        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
-        (tmp_path / run).mkdir(exist_ok=True)
-        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / run)
-
-    return make
 
 
 def signal_during_step(trainer: Trainer, step: int, signum: int) -> None:

@@ -30,16 +30,6 @@ TINY_GPT = (
 )
 
 
-@pytest.fixture
-def trainer_for(compose_train, tmp_path):
-    def make(*overrides: str, run: str = "run") -> Trainer:
-        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
-        (tmp_path / run).mkdir(exist_ok=True)
-        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / run)
-
-    return make
-
-
 def names_in(trainer: Trainer, group: dict) -> set[str]:
     ids = {id(p) for p in group["params"]}
     return {name for name, p in trainer.module.named_parameters() if id(p) in ids}

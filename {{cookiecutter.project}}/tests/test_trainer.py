@@ -10,7 +10,6 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 # The options' builders, as train imports them.
 import ddp_project.data  # noqa: F401
@@ -19,7 +18,7 @@ from ddp_project.core.world import World
 from ddp_project.record import metrics
 from ddp_project.run import scoring, stopping
 from ddp_project.run.checkpoint import Checkpointer, Diverged
-from ddp_project.run.trainer import Trainer, Window
+from ddp_project.run.trainer import Window
 
 ONE = World()
 
@@ -27,16 +26,6 @@ ONE = World()
 def checkpoint_names(run_dir) -> list[str]:
     """The step checkpoints, not best.pt (trainer.keep_best)."""
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-
-
-@pytest.fixture
-def trainer_for(compose_train, tmp_path):
-    def make(*overrides: str, run: str = "run") -> Trainer:
-        cfg = OmegaConf.to_object(compose_train("dist.backend=gloo", *overrides))
-        (tmp_path / run).mkdir(exist_ok=True)
-        return Trainer(cfg, ONE, torch.device("cpu"), tmp_path / run)
-
-    return make
 
 
 def batch(value: float = 0.0):

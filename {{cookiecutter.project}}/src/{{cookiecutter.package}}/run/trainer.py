@@ -557,32 +557,27 @@ class Trainer:
         partial figures are dropped on every rank."""
         started = time.perf_counter()
         signals = self.preemption.signals
-        result = scoring.score(
-            self.module,
-            self.held_out,
-            self.device,
-            self.autocast,
-            self.world,
-            limit=self.cfg.trainer.val_batches,
-            stop=lambda: signals.requested,
-            progress=self.watchdog.beat,  # scoring a large set is no stalled collective
-        )
+
+        def score() -> scoring.Score:
+            return scoring.score(
+                self.module,
+                self.held_out,
+                self.device,
+                self.autocast,
+                self.world,
+                limit=self.cfg.trainer.val_batches,
+                stop=lambda: signals.requested,
+                progress=self.watchdog.beat,  # scoring a large set is no stalled collective
+            )
+
+        result = score()
         if not result.complete:
             self.cut_short = step
             return None
         averaged = None
         if self.ema:
             with self.ema.swapped_in():
-                averaged = scoring.score(
-                    self.module,
-                    self.held_out,
-                    self.device,
-                    self.autocast,
-                    self.world,
-                    limit=self.cfg.trainer.val_batches,
-                    stop=lambda: signals.requested,
-                    progress=self.watchdog.beat,
-                )
+                averaged = score()
             if not averaged.complete:
                 self.cut_short = step
                 return None
