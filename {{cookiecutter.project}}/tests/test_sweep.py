@@ -4,9 +4,12 @@ process per trial; a sweep that cannot work (under torchrun, without a metric) i
 import importlib.util
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -172,3 +175,35 @@ def test_the_optuna_search_is_a_global_config_that_sweeps_without_minus_m(compos
     cfg = compose_train()
     for key in search.hydra.sweeper.params:
         assert OmegaConf.select(cfg, key, default="absent") != "absent", key
+
+
+def test_the_per_trial_job_lines_render_the_trials_manifests_as_the_page_says(tmp_path):
+    """docs/sweeps.md's one Job per trial, its lines as written: the image tag make builds, the
+    trial's folder of manifests under its own name and image; a training key on the render line
+    is refused, as the page says."""
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "sweeps.md").read_text().split("one Kubernetes Job per trial")[1]
+    lines = [ln.strip() for ln in page.replace("\\\n", "").splitlines() if ln.startswith("    ")]
+    build, _, render, apply = lines
+    project = tmp_path / "project"
+    shutil.copytree(root / "configs", project / "configs")
+    shutil.copy(root / "pyproject.toml", project)
+    words = shlex.split(build)
+    image = words[-1].removeprefix("IMAGE=")
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "-f", str(root / "Makefile"),
+                          *words[1:]], capture_output=True, text=True, check=True)  # fmt: skip
+    assert dry.stdout.splitlines()[-1] == f"docker build -t {image} ."
+    words = shlex.split(render)
+    assert words[:3] == ["python", "-m", f"{PACKAGE}.k8s"]
+    done = subprocess.run([sys.executable, *words[1:]], cwd=project, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert apply == "kubectl apply -f k8s-lr1/"
+    flavor = yaml.safe_load((project / "configs/deploy/default.yaml").read_text())["flavor"]
+    manifests = list(yaml.safe_load_all((project / "k8s-lr1" / f"{flavor}.yaml").read_text()))
+    assert manifests[0]["metadata"]["name"] == "trial-lr1"
+    assert f"image: {image}" in (project / "k8s-lr1" / f"{flavor}.yaml").read_text()
+    command = [sys.executable, "-m", f"{PACKAGE}.k8s", "--out", "k8s-x", "trainer.lr=0.001"]
+    refused = subprocess.run(command, cwd=project, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: trainer.lr=0.001: k8s/ is rendered from deploy.*")
+    assert not (project / "k8s-x").exists()
