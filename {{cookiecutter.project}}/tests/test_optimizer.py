@@ -91,6 +91,10 @@ REFUSED = [
         "amsgrad, capturable, differentiable, foreach, maximize",
     ),
     ("+optimizer.kwargs.lr=1", "optimizer.kwargs.lr: set trainer.lr, the schedule's peak"),
+    ("+optimizer.kwargs.amsgrad=maybe", "optimizer.kwargs.amsgrad=maybe: must be true or false"),
+    ("+optimizer.kwargs.amsgrad=1", "optimizer.kwargs.amsgrad=1: must be true or false"),
+    ("optimizer=sgd optimizer.kwargs.momentum=fast", "optimizer.kwargs.momentum=fast: must be a"),
+    ("optimizer=sgd optimizer.kwargs.momentum=true", "optimizer.kwargs.momentum=True: must be a"),
     (
         "optimizer=sgd optimizer.betas=[0.9,0.99]",
         "optimizer.betas=[0.9, 0.99]: torch.optim.SGD takes none; set it to null",

@@ -56,6 +56,18 @@ def accepted_keywords(cls: type) -> set[str] | None:
     return {p.name for p in parameters} - {"self"}
 
 
+def keyword_kind(cls: type, keyword: str) -> str | None:
+    """ "bool" or "number" where the constructor's default for the keyword is one, else None: a
+    class's own checks let a truthy string stand for true (amsgrad="maybe")."""
+    parameter = inspect.signature(cls.__init__).parameters.get(keyword)
+    default = None if parameter is None else parameter.default
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, (int, float)):
+        return "number"
+    return None
+
+
 def takes(cls: type, keyword: str) -> bool:
     taken = accepted_keywords(cls)
     return taken is None or keyword in taken
@@ -86,6 +98,12 @@ def check_optimizer(cfg: OptimizerConfig, lr: float) -> None:
                 f"optimizer.kwargs.{key}: {cfg._target_} takes no keyword {key}; it takes: "
                 f"{allowed}"
             )
+        kind = keyword_kind(cls, key)
+        value = cfg.kwargs[key]
+        if kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"optimizer.kwargs.{key}={value}: must be true or false")
+        if kind == "number" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"optimizer.kwargs.{key}={value}: must be a number")
     for key, value in (("betas", cfg.betas), ("eps", cfg.eps)):
         if value is not None and taken is not None and key not in taken:
             raise ConfigError(f"optimizer.{key}={value}: {cfg._target_} takes none; set it to null")
