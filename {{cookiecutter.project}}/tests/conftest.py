@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -192,6 +193,20 @@ def trainer_for(compose_train, tmp_path):
         return Trainer(cfg, World(), torch.device("cpu"), tmp_path / run)
 
     return make
+
+
+def make_line(line: str, *more: str) -> list[str]:
+    """The command a docs line `make <target> [ARGS="..."]` runs, `more` appended to its ARGS,
+    as make expands it (-n: printed, not run): the recipe's last line."""
+    words = shlex.split(line)
+    args = [word for word in words if word.startswith("ARGS=")] or ["ARGS="]
+    rest = [word for word in words[1:] if not word.startswith("ARGS=")]
+    given = " ".join([args[0].removeprefix("ARGS="), *more]).strip()
+    # --no-print-directory: under a parent make (make test-full) the last line would be "Leaving".
+    make = ["make", "-n", "--no-print-directory", "-f", str(ROOT / "Makefile")]
+    dry = subprocess.run([*make, *rest, f"ARGS={given}"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return shlex.split(dry.stdout.strip().splitlines()[-1])
 
 
 def train_command(*overrides: str, nproc: int = 2) -> list[str]:

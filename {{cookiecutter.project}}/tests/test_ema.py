@@ -11,13 +11,10 @@ from torch import nn
 
 import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
-from ddp_project.core.world import World
 from ddp_project.record import metrics
 from ddp_project.run import checkpoint, scoring, stopping
 from ddp_project.run.ema import EMA
 from ddp_project.run.trainer import Trainer
-
-ONE = World()
 
 
 def signal_during_step(trainer: Trainer, step: int, signum: int) -> None:

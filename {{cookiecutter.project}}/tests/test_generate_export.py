@@ -16,7 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from conftest import PACKAGE, ROOT, launch_command, users_env
+from conftest import PACKAGE, ROOT, launch_command, make_line, users_env
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -519,20 +519,6 @@ def readme_commands(*sections: str) -> list[str]:
         block = re.search(r"```bash\n(.*?)```", body, re.DOTALL).group(1)
         lines += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
     return lines
-
-
-def make_line(line: str, *more: str) -> list[str]:
-    """The command a README's `make <target> ARGS="..."` line runs, `more` appended to its ARGS,
-    as make expands it (-n: printed, not run): the recipe's last line."""
-    words = shlex.split(line)
-    args = [word for word in words if word.startswith("ARGS=")] or ["ARGS="]
-    rest = [word for word in words[1:] if not word.startswith("ARGS=")]
-    given = " ".join([args[0].removeprefix("ARGS="), *more]).strip()
-    # --no-print-directory: under a parent make (make test-full) the last line would be "Leaving".
-    make = ["make", "-n", "--no-print-directory", "-f", str(ROOT / "Makefile")]
-    dry = subprocess.run([*make, *rest, f"ARGS={given}"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return shlex.split(dry.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow  # 50 CPU-s: the tests above cover generate and export one by one

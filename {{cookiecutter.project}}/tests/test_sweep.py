@@ -9,10 +9,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, make_line
 from omegaconf import OmegaConf, open_dict
 
 from ddp_project.config import overrides
@@ -181,18 +181,14 @@ def test_the_per_trial_job_lines_render_the_trials_manifests_as_the_page_says(tm
     """docs/sweeps.md's one Job per trial, its lines as written: the image tag make builds, the
     trial's folder of manifests under its own name and image; a training key on the render line
     is refused, as the page says."""
-    root = Path(__file__).resolve().parents[1]
-    page = (root / "docs" / "sweeps.md").read_text().split("one Kubernetes Job per trial")[1]
+    page = (ROOT / "docs" / "sweeps.md").read_text().split("one Kubernetes Job per trial")[1]
     lines = [ln.strip() for ln in page.replace("\\\n", "").splitlines() if ln.startswith("    ")]
     build, _, render, apply = lines
     project = tmp_path / "project"
-    shutil.copytree(root / "configs", project / "configs")
-    shutil.copy(root / "pyproject.toml", project)
-    words = shlex.split(build)
-    image = words[-1].removeprefix("IMAGE=")
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "-f", str(root / "Makefile"),
-                          *words[1:]], capture_output=True, text=True, check=True)  # fmt: skip
-    assert dry.stdout.splitlines()[-1] == f"docker build -t {image} ."
+    shutil.copytree(ROOT / "configs", project / "configs")
+    shutil.copy(ROOT / "pyproject.toml", project)
+    image = shlex.split(build)[-1].removeprefix("IMAGE=")
+    assert make_line(build) == ["docker", "build", "-t", image, "."]
     words = shlex.split(render)
     assert words[:3] == ["python", "-m", f"{PACKAGE}.k8s"]
     done = subprocess.run([sys.executable, *words[1:]], cwd=project, capture_output=True, text=True)
