@@ -46,7 +46,7 @@ THIRD_PARTY = {
     "mpl_toolkits", "pylab", "contourpy", "cycler", "fontTools", "kiwisolver", "pyparsing",
     "dateutil", "pytest", "_pytest", "py", "pluggy", "iniconfig", "pytest_timeout", "ruff",
     "pydevd_plugins", "importlib_resources", "isympy", "pillow", "tzdata", "example",
-    # tokenizers (python -m <package>.data) and what it brings: huggingface_hub's
+    # tokenizers (python -m <package>.prepare) and what it brings: huggingface_hub's
     "tokenizers", "huggingface_hub", "hf_xet", "tqdm", "httpx2", "httpcore2", "truststore",
     # the extras: logger=wandb, logger=mlflow, and the test tools
     "wandb", "mlflow", "xdist", "execnet", "_cffi_backend", "annotated_doc", "annotated_types",

@@ -32,7 +32,7 @@ for path in sorted(stdlib.rglob("*.py")):
     kept += len(raw)
 print(f"corpus: {kept / 1e6:.1f} MB of {stdlib}'s source")
 PY
-  /usr/bin/time -f "data command: %e s, %M KiB" python3 -m ddp_project.data "$corpus" "$data" 2>&1 | tee "$OUT/data.log"
+  /usr/bin/time -f "data command: %e s, %M KiB" python3 -m ddp_project.prepare "$corpus" "$data" 2>&1 | tee "$OUT/data.log"
 fi
 cat "$data/meta.json" >"$OUT/meta.json"
 if [[ $# == 0 ]]; then

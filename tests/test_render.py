@@ -212,6 +212,7 @@ EXPECTED_FILES = {
     "src/{package}/config/profiling.py",
     "src/{package}/export.py",
     "src/{package}/generate.py",
+    "src/{package}/prepare.py",
     "src/{package}/run/ema.py",
     "src/{package}/run/fsdp.py",
     "src/{package}/run/optimizer.py",

@@ -1,5 +1,5 @@
-"""Data folders made from text (python -m <package>.data), read as shards, and the held-out split;
-the batches each step takes, on any world size. Refusals: test_data_refusals.py."""
+"""Data folders made from text (python -m <package>.prepare), read as shards, and the held-out
+split; the batches each step takes, on any world size. Refusals: test_data_refusals.py."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_project import data
+from ddp_project import prepare as prepare_command
 from ddp_project.config import token_files, validate
 from ddp_project.config.compose import compose_and_check, config_problem
 from ddp_project.config.error import ConfigError
@@ -22,7 +22,8 @@ from ddp_project.config.global_batch import (
 )
 from ddp_project.config.validate import check_data
 from ddp_project.core.world import World
-from ddp_project.data import END_OF_TEXT, SPLITS, TokenShards, prepare
+from ddp_project.data import TokenShards
+from ddp_project.prepare import END_OF_TEXT, SPLITS, prepare
 from ddp_project.run.batches import StepBatches, build_loader
 
 GPT = ["model=gpt", "data=tokens", "data.seq_len=4", "data.batch_size=1", "data.vocab_size=null"]
@@ -74,7 +75,8 @@ def test_prepare_writes_a_tokenizer_and_shards_that_give_back_the_text(folder):
 
 def test_the_data_command_writes_the_folder_and_says_what_to_train_with(tmp_path, capsys):
     (tmp_path / "t.txt").write_text(CORPUS)
-    assert data.main([str(tmp_path / "t.txt"), str(tmp_path / "out"), "--vocab-size", "280"]) == 0
+    argv = [str(tmp_path / "t.txt"), str(tmp_path / "out"), "--vocab-size", "280"]
+    assert prepare_command.main(argv) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("wrote ") and line.endswith(f"data.path={tmp_path / 'out'}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.txt"]
@@ -99,7 +101,8 @@ def test_a_folder_of_documents_ends_each_with_end_of_text(tmp_path):
 
 
 def test_a_vocabulary_past_uint16_is_stored_and_read_as_uint32(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "UINT16_IDS", 290)  # instead of 65536 ids: a small corpus has past it
+    # instead of 65536 ids: a small corpus has past it
+    monkeypatch.setattr(prepare_command, "UINT16_IDS", 290)
     (tmp_path / "t.txt").write_text(CORPUS)
     meta = prepare([tmp_path / "t.txt"], tmp_path / "out", vocab_size=300)
     assert meta["dtype"] == "uint32"
@@ -114,7 +117,7 @@ def test_a_vocabulary_past_uint16_is_stored_and_read_as_uint32(tmp_path, monkeyp
 def test_sequences_are_cut_within_shards_and_held_out_ones_from_val(tmp_path, monkeypatch):
     """Shards of 1000 tokens: each sequence of seq_len + 1 lies in one shard, the shard's tail
     left out; the held-out set is the val shards'."""
-    monkeypatch.setattr(data, "SHARD_TOKENS", 1000)
+    monkeypatch.setattr(prepare_command, "SHARD_TOKENS", 1000)
     (tmp_path / "t.txt").write_text(CORPUS)
     meta = prepare([tmp_path / "t.txt"], tmp_path / "out", vocab_size=300)
     listed = meta["shards"]["train"]

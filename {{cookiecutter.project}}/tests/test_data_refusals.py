@@ -17,14 +17,14 @@ from conftest import PACKAGE, launch_command
 from test_data import CORPUS, GPT, problem
 from test_evaluate import composed, train_here
 
-from ddp_project import data
+from ddp_project import prepare as prepare_command
 from ddp_project.config import token_files
 from ddp_project.core.world import World
-from ddp_project.data import prepare
+from ddp_project.prepare import prepare
 from ddp_project.run import rundir
 
-MAKE = f"make one with python -m {PACKAGE}.data CORPUS OUT"
-AGAIN = f"prepare it again with python -m {PACKAGE}.data"
+MAKE = f"make one with python -m {PACKAGE}.prepare CORPUS OUT"
+AGAIN = f"prepare it again with python -m {PACKAGE}.prepare"
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def test_the_data_command_refuses_in_one_line_and_writes_nothing(
     make(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     monkeypatch.chdir(tmp_path)
-    assert data.main(argv) == 2
+    assert prepare_command.main(argv) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: {message}"), line
     assert sorted(tmp_path.rglob("*")) == before
@@ -133,7 +133,7 @@ def test_an_unreadable_text_file_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "t.txt").write_text(CORPUS)
     refuse_open(monkeypatch, Path("t.txt"))
     monkeypatch.chdir(tmp_path)
-    assert data.main(["t.txt", "out"]) == 2
+    assert prepare_command.main(["t.txt", "out"]) == 2
     assert capsys.readouterr().err == "error: t.txt: cannot be read (Permission denied)\n"
     assert os.listdir(tmp_path) == ["t.txt"]
 
@@ -157,7 +157,7 @@ def test_an_unreadable_text_file_is_one_line(tmp_path, monkeypatch, capsys):
 )
 def test_a_prepare_cut_short_leaves_nothing(tmp_path, monkeypatch, capsys, stop, code, line):
     (tmp_path / "t.txt").write_text(CORPUS)
-    monkeypatch.setattr(data, "CHUNK_CHARS", 1000)  # many pieces: stopped part-way
+    monkeypatch.setattr(prepare_command, "CHUNK_CHARS", 1000)  # many pieces: stopped part-way
     added = []
 
     def add(self, ids):
@@ -168,11 +168,11 @@ def test_a_prepare_cut_short_leaves_nothing(tmp_path, monkeypatch, capsys, stop,
     def replace(source, target):
         raise stop
 
-    monkeypatch.setattr(data.ShardWriter, "add", add)
+    monkeypatch.setattr(prepare_command.ShardWriter, "add", add)
     if getattr(stop, "errno", None) == errno.ENOTEMPTY:
-        monkeypatch.setattr(data.os, "replace", replace)
+        monkeypatch.setattr(prepare_command.os, "replace", replace)
     monkeypatch.chdir(tmp_path)
-    assert data.main(["t.txt", "out"]) == code
+    assert prepare_command.main(["t.txt", "out"]) == code
     assert capsys.readouterr().err.splitlines() == [line]
     assert os.listdir(tmp_path) == ["t.txt"]
 

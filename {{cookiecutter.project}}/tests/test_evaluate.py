@@ -21,8 +21,9 @@ from ddp_project.config.error import ConfigError
 from ddp_project.config.options import HELD_OUT
 from ddp_project.config.schema import TrainConfig, register_configs
 from ddp_project.core.world import World
-from ddp_project.data import TokenShards, build_dataset, prepare
+from ddp_project.data import TokenShards, build_dataset
 from ddp_project.model import build_model
+from ddp_project.prepare import prepare
 from ddp_project.run.trainer import Trainer
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.txt"

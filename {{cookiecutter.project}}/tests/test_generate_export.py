@@ -24,8 +24,8 @@ from ddp_project import export as export_module
 from ddp_project import generate as generate_module
 from ddp_project.config.options import GptConfig, TokensConfig
 from ddp_project.core.world import World
-from ddp_project.data import prepare
 from ddp_project.model import Gpt, build_model
+from ddp_project.prepare import prepare
 from ddp_project.run.sampling import sample
 from ddp_project.run.trainer import Trainer
 
@@ -528,8 +528,10 @@ def test_the_readmes_train_generate_and_export_run_as_written(tmp_path):
     shutil.copytree(ROOT / "data", tmp_path / "data")
     lines = readme_commands("Train on text", "Generate and export")
     assert [line.split()[:3] for line in lines] == [
-        ["python", "-m", f"{PACKAGE}.data"], ["make", "train-cpu", 'ARGS="experiment=gpt_sample"'],
-        ["python", "-m", f"{PACKAGE}.generate"], ["python", "-m", f"{PACKAGE}.generate"],
+        ["python", "-m", f"{PACKAGE}.prepare"],
+        ["make", "train-cpu", 'ARGS="experiment=gpt_sample"'],
+        ["python", "-m", f"{PACKAGE}.generate"],
+        ["python", "-m", f"{PACKAGE}.generate"],
         ["python", "-m", f"{PACKAGE}.export"],
     ]  # fmt: skip
     env = {**users_env(), "OMP_NUM_THREADS": "1"}
@@ -538,7 +540,7 @@ def test_the_readmes_train_generate_and_export_run_as_written(tmp_path):
         return subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=240)  # fmt: skip
 
-    done = shell([sys.executable, *shlex.split(lines[0])[1:]])  # python -m ...data
+    done = shell([sys.executable, *shlex.split(lines[0])[1:]])  # python -m ...prepare
     assert done.returncode == 0, done.stderr
     words = make_line(lines[1], "trainer.max_steps=30")  # <project> train ...
     assert words[1] == "train" and words[-2:] == ["experiment=gpt_sample", "trainer.max_steps=30"]

@@ -74,7 +74,7 @@ class PointsConfig(DataConfig):
 @dataclass
 class TokensConfig(DataConfig):
     """configs/data/tokens.yaml: token sequences for next-token prediction, synthetic or read
-    from a data folder (data.path) that `python -m <package>.data` made from text."""
+    from a data folder (data.path) that `python -m <package>.prepare` made from text."""
 
     seq_len: int = MISSING
     vocab_size: Optional[int] = MISSING

@@ -1,4 +1,4 @@
-"""A data folder that data.path names (`python -m <package>.data CORPUS OUT` writes one): its
+"""A data folder that data.path names (`python -m <package>.prepare CORPUS OUT` writes one): its
 meta.json read (read_meta), checked with its shards and tokenizer (data_folder_problem), its
 sequences counted, and its largest token id, scanned once per launch.
 
@@ -24,8 +24,8 @@ DTYPE_BYTES = {"uint16": 2, "uint32": 4}  # uint16 while the vocabulary fits 655
 FORMAT = 1  # meta.json's layout; a folder of another is prepared again
 CHUNK_TOKENS = 2**24  # a shard scanned 16M tokens at a time: any size in bounded memory
 SCANNED_VAR = "DDP_TOKEN_FILE_SCAN"  # a scan's result, for the processes this one starts
-MAKE = f"make one with python -m {PACKAGE}.data CORPUS OUT"
-AGAIN = f"prepare it again with python -m {PACKAGE}.data"
+MAKE = f"make one with python -m {PACKAGE}.prepare CORPUS OUT"
+AGAIN = f"prepare it again with python -m {PACKAGE}.prepare"
 
 
 class TokenData(Protocol):
