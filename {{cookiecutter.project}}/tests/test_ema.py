@@ -12,7 +12,7 @@ from torch import nn
 import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
 from ddp_project.record import metrics
-from ddp_project.run import checkpoint, scoring, stopping
+from ddp_project.run import checkpoint, checkpoint_dcp, scoring, stopping
 from ddp_project.run.ema import EMA
 from ddp_project.run.trainer import Trainer
 
@@ -213,15 +213,15 @@ def test_a_stopped_and_resumed_run_keeps_the_ema_of_one_never_stopped(trainer_fo
 def test_a_dcp_checkpoint_holds_the_ema_of_its_step_not_of_a_step_during_its_write(
     trainer_for, monkeypatch
 ):
-    """A DCP checkpoint's "ema" is rank 0's extra.pt, written in the background after the
-    shares: the steps that run meanwhile must not reach it."""
-    write = checkpoint.write_atomically
+    """A DCP checkpoint's "ema" is in the shares, written in the background from a snapshot:
+    the steps that run meanwhile must not reach it."""
+    write = checkpoint_dcp.save
 
-    def slow_write(state, path):
+    def slow_write(*args, **kwargs):
         time.sleep(0.3)  # steps 5, 6, ... run meanwhile
-        write(state, path)
+        write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write_atomically", slow_write)
+    monkeypatch.setattr(checkpoint_dcp, "save", slow_write)
     trainer = trainer_for(
         "trainer.ema_decay=0.5",
         "trainer.max_steps=8",
@@ -239,7 +239,9 @@ def test_a_dcp_checkpoint_holds_the_ema_of_its_step_not_of_a_step_during_its_wri
     trainer.step = step
     assert trainer.train() is False
     folder = trainer.run_dir / "checkpoints" / "step_000000004.dcp"
-    saved = torch.load(folder / "extra.pt", weights_only=True)["ema"]
+    assert "ema" not in torch.load(folder / "extra.pt", weights_only=True)
+    saved = checkpoint.read(folder)["ema"]
+    assert saved.keys() == at_step_4.keys()
     assert all(torch.equal(saved[k], v) for k, v in at_step_4.items())
 
 

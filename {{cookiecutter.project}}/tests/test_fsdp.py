@@ -1,6 +1,6 @@
-"""dist.strategy=fsdp2: the same loss curve as DDP for a seed, DCP checkpoints that resume under
-either strategy and on another world size, activation checkpointing that keeps the parameter
-names, and the combinations it refuses in one line. On CPU: gloo, 2 processes."""
+"""dist.strategy=fsdp2: the same loss curve (and EMA) as DDP for a seed, DCP checkpoints that
+resume under either strategy and on another world size, activation checkpointing that keeps the
+parameter names, and the combinations it refuses in one line. On CPU: gloo, 2 processes."""
 
 import json
 import shutil
@@ -34,6 +34,7 @@ TINY = (
     "trainer.val_every=4",
     "trainer.checkpoint_every=4",
     "trainer.checkpoint_format=dcp",
+    "trainer.ema_decay=0.9",  # sharded as the weights under fsdp2, in the DCP folder either way
     "logger=csv",
 )
 LAST = "step_000000008.dcp"
@@ -45,7 +46,7 @@ def rows(run_dir):
 
 
 def curve(run_dir):
-    keys = ("step", "loss", "grad_norm", "val_loss")
+    keys = ("step", "loss", "grad_norm", "val_loss", "val_loss_ema")
     return [tuple(row[key] for key in keys) for row in rows(run_dir)]
 
 
@@ -55,8 +56,8 @@ def assert_same_curve(first, second, rel=1e-5):
         assert a[1:] == pytest.approx(b[1:], rel=rel, nan_ok=True), (a, b)
 
 
-def final_model(run_dir):
-    return checkpoint.read(run_dir / "checkpoints" / LAST)["model"]
+def final_model(run_dir, weights="model"):
+    return checkpoint.read(run_dir / "checkpoints" / LAST)[weights]
 
 
 def max_abs_diff(a, b) -> float:
@@ -92,6 +93,11 @@ def test_fsdp2_follows_ddp_s_loss_curve_and_saves_the_same_plain_names(runs):
     # the bare model's names (no FSDP or checkpoint-wrapper prefix), whole tensors
     assert sorted(sharded) == sorted(Gpt(*tiny_options()).state_dict())
     assert max_abs_diff(sharded, replicated) <= 1e-5
+    # the EMA's shards, whole again, keyed as the model; the average of DDP's weights
+    averaged = final_model(fsdp2, "ema")
+    assert sorted(averaged) == sorted(sharded)
+    assert max_abs_diff(averaged, final_model(ddp, "ema")) <= 1e-5
+    assert max_abs_diff(averaged, sharded) > 1e-3  # an average, not the weights again
 
 
 @pytest.mark.parametrize(
@@ -125,7 +131,8 @@ def test_a_dcp_checkpoint_resumes_under_the_other_strategy_on_the_same_curve(
     if nproc == 1:
         resumed, uninterrupted = [r[:3] for r in resumed], [r[:3] for r in uninterrupted]
     assert_same_curve(resumed, uninterrupted)
-    assert max_abs_diff(final_model(run), final_model(runs / "ddp")) <= 1e-5
+    for weights in ("model", "ema"):
+        assert max_abs_diff(final_model(run, weights), final_model(runs / "ddp", weights)) <= 1e-5
 
 
 def test_a_file_checkpoint_is_refused_under_fsdp2_in_one_line(tmp_path):
@@ -204,10 +211,6 @@ REFUSED = [
         "dist.time_comm=true: times DDP's all-reduces, which dist.strategy=fsdp2",
     ),
     (
-        "dist.strategy=fsdp2 trainer.checkpoint_format=dcp trainer.ema_decay=0.99",
-        "trainer.ema_decay=0.99: dist.strategy=fsdp2 keeps no EMA yet",
-    ),
-    (
         "dist.strategy=zero3",
         "dist.strategy: Invalid value 'zero3', expected one of [ddp, fsdp2]",
     ),
@@ -227,10 +230,12 @@ def test_each_refused_combination_is_one_line_naming_the_key(override, message):
 
 
 def test_fsdp2_with_dcp_and_the_ddp_only_tuning_keys_is_a_good_config():
-    """bucket_cap_mb, gradient_as_bucket_view and static_graph are DDP's: fsdp2 ignores them."""
+    """bucket_cap_mb, gradient_as_bucket_view and static_graph are DDP's: fsdp2 ignores them.
+    An EMA is kept sharded as the weights."""
     overrides = [
         "dist.strategy=fsdp2",
         "trainer.checkpoint_format=dcp",
+        "trainer.ema_decay=0.99",
         "dist.activation_checkpointing=true",
         "dist.bucket_cap_mb=25",
         "dist.gradient_as_bucket_view=false",

@@ -140,15 +140,6 @@ def check_strategy(config: TrainConfig) -> None:
         "true",
         "times DDP's all-reduces, which dist.strategy=fsdp2 has none of; set dist.time_comm=false",
     )
-    # The average of a sharded parameter is sharded too, and a DCP checkpoint keeps the EMA in
-    # rank 0's extra.pt: every other rank's share of it would be lost at the first resume.
-    require(
-        trainer.ema_decay is None,
-        "trainer.ema_decay",
-        trainer.ema_decay,
-        "dist.strategy=fsdp2 keeps no EMA yet (its shards would not survive a checkpoint); "
-        "set trainer.ema_decay=null, or train with dist.strategy=ddp",
-    )
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:

@@ -131,14 +131,14 @@ def is_dcp(path: Path) -> bool:
 def read(path: Path, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint's state; raises if the file (or DCP folder) is not one. mmap=True reads only
     the structure (the tensors stay on disk until touched), a cheap check that it reads back; of a
-    DCP folder, all but its model's and optimizer's tensors (model and optimizer are None)."""
+    DCP folder, all but its tensors (model, optimizer and ema, if kept, are None)."""
     if is_dcp(path):
         checkpoint_dcp.verify(path)
         state = torch.load(path / checkpoint_dcp.EXTRA, map_location="cpu", weights_only=True)
-        if isinstance(state, dict):
-            state |= (
-                checkpoint_dcp.read_all(path) if not mmap else dict.fromkeys(checkpoint_dcp.TENSORS)
-            )
+        if isinstance(state, dict) and mmap:
+            state |= dict.fromkeys(checkpoint_dcp.held(path))
+        elif isinstance(state, dict):
+            state |= checkpoint_dcp.read_all(path)
     else:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     if not (isinstance(state, dict) and state.keys() >= REQUIRED):
@@ -499,11 +499,13 @@ class Checkpointer:
                 path,
                 self.states["model"],
                 self.states["optimizer"],
+                self.states.get("ema"),
                 self.writers,
                 alone=self.world.size == 1,
             )
         except (checkpoint_dcp.ShareFailed, RuntimeError, ValueError, KeyError) as err:
-            raise self.incompatible("model and optimizer", err) from None
+            kept = "model, optimizer and EMA" if "ema" in self.states else "model and optimizer"
+            raise self.incompatible(kept, err) from None
 
     def incompatible(self, key: str, err: BaseException) -> Incompatible:
         reason = " ".join(str(err).split())[:300]
@@ -596,10 +598,12 @@ class Checkpointer:
             self.settle()
 
     def snapshot_state(self) -> dict[str, Any]:
-        """The tensors a checkpoint copies: all the states (file), or the model's and optimizer's
-        by parameter name (DCP; the rest is rank 0's extra)."""
+        """The tensors a checkpoint copies: all the states (file), or the model's, optimizer's and
+        EMA's by parameter name (DCP; the rest is rank 0's extra)."""
         if self.dcp:
-            return checkpoint_dcp.tensors(self.states["model"], self.states["optimizer"])
+            return checkpoint_dcp.tensors(
+                self.states["model"], self.states["optimizer"], self.states.get("ema")
+            )
         return {key: stateful.state_dict() for key, stateful in self.states.items()}
 
     def extra(self, step: int, rng: list[dict[str, Any]], val_loss: float | None) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 ranks), that loads on any world size, and that a sharded strategy (FSDP2) reads as it is.
 
 Its tensors (the model's and the optimizer's, keyed by parameter name through
-torch.distributed.checkpoint.state_dict) are DCP's; the rest (position, RNG, config: small) is
-rank 0's `extra.pt` beside them. The Checkpointer decides when and where; this module only moves
-tensors between the ranks and the folder.
+torch.distributed.checkpoint.state_dict, and trainer.ema_decay's averages, keyed as the model's)
+are DCP's; the rest (position, RNG, config: small) is rank 0's `extra.pt` beside them. The
+Checkpointer decides when and where; this module only moves tensors between the ranks and the
+folder.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ warnings.filterwarnings(
 )
 
 SUFFIX = ".dcp"
-EXTRA = "extra.pt"  # rank 0's part: everything but the model's and the optimizer's tensors
-TENSORS = ("model", "optimizer")
+EXTRA = "extra.pt"  # rank 0's part: everything but the tensors below
+TENSORS = ("model", "optimizer", "ema")  # "ema" only where the run keeps one
+REQUIRED = ("model", "optimizer")
 
 
 class ShareFailed(Exception):
@@ -54,11 +56,24 @@ def one_cause() -> Iterator[None]:
         raise ShareFailed(rank, cause) from cause
 
 
-def tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's and optimizer's state keyed by parameter name, as DCP saves and loads it. The
-    optimizer's state is made if no step has made it yet (a load needs tensors to fill)."""
+def tensors(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Any = None
+) -> dict[str, Any]:
+    """The model's and optimizer's state keyed by parameter name, as DCP saves and loads it, and
+    the EMA's if there is one (its averages are sharded as the parameters are: DCP writes each
+    rank's share). The optimizer's state is made if no step has made it yet (a load needs
+    tensors to fill)."""
     model_state, optimizer_state = get_state_dict(module, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+def held(path: Path) -> set[str]:
+    """The states a folder holds tensors of: model, optimizer, and ema if it was kept."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
 def save(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None, alone: bool) -> None:
@@ -75,10 +90,10 @@ def verify(path: Path) -> None:
     and every file the metadata points into is there and long enough (a share lost or cut
     short, as on a run dir that is not one file system for every node)."""
     metadata = dcp.FileSystemReader(path).read_metadata()
-    held = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-    if not held >= set(TENSORS):
+    states = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    if not states >= set(REQUIRED):
         raise ValueError(
-            f"not a training checkpoint: it holds {', '.join(sorted(held)) or 'nothing'}"
+            f"not a training checkpoint: it holds {', '.join(sorted(states)) or 'nothing'}"
         )
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -93,12 +108,14 @@ def load(
     path: Path,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    ema: Any,
     group: dist.ProcessGroup | None,
     alone: bool,
 ) -> None:
     """Every rank: the model's and optimizer's state from the folder, whatever world size wrote
-    it. Raises ShareFailed with the cause if it does not fit."""
-    state = tensors(module, optimizer)
+    it, and the EMA's averages (in place) when both the run and the folder keep one. Raises
+    ShareFailed with the cause if it does not fit."""
+    state = tensors(module, optimizer, ema if ema is not None and "ema" in held(path) else None)
     with one_cause():
         reader = dcp.FileSystemReader(path)
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=alone)

@@ -389,9 +389,9 @@ class Trainer:
         if state is None:
             return
         self.keep_optimizer_settings(state)
-        if self.ema and not state.get("ema") and self.world.main:
-            log.info("trainer.ema_decay: the checkpoint has no EMA; it starts from its weights")
-        if self.ema and not state.get("ema"):
+        if self.ema and "ema" not in state:  # a DCP folder's is None here: loaded already
+            if self.world.main:
+                log.info("trainer.ema_decay: the checkpoint has no EMA; it starts from its weights")
             self.ema.start_from_weights()
         self.keep_global_batch(state)
         if self.world.main:
