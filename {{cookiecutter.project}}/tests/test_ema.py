@@ -2,6 +2,7 @@
 early stopping at the right validation, and both continued exactly by a resume."""
 
 import logging
+import shutil
 import signal
 import time
 
@@ -243,6 +244,24 @@ def test_a_dcp_checkpoint_holds_the_ema_of_its_step_not_of_a_step_during_its_wri
     saved = checkpoint.read(folder)["ema"]
     assert saved.keys() == at_step_4.keys()
     assert all(torch.equal(saved[k], v) for k, v in at_step_4.items())
+
+
+def test_a_dcp_folder_with_its_ema_in_extra_pt_still_resumes_it(trainer_for, tmp_path):
+    """Folders written before the EMA became a DCP share kept it in rank 0's extra.pt."""
+    dcp_ema = ("trainer.ema_decay=0.5", "trainer.checkpoint_format=dcp")
+    assert trainer_for(*dcp_ema, "trainer.max_steps=4").train() is False
+    folder = tmp_path / "run" / "checkpoints" / "step_000000004.dcp"
+    state = checkpoint.read(folder)
+    extra = torch.load(folder / "extra.pt", weights_only=True) | {"ema": state["ema"]}
+    shutil.rmtree(folder)
+    tensors = {"model": state["model"], "optimizer": state["optimizer"]}
+    checkpoint_dcp.save(folder, tensors, None, alone=True)
+    torch.save(extra, folder / "extra.pt")
+    resumed = trainer_for(*dcp_ema, "trainer.max_steps=6")
+    resumed.resume()
+    averages = resumed.ema.state_dict()
+    assert all(torch.equal(averages[k], v) for k, v in state["ema"].items())
+    assert not all(torch.equal(averages[k], state["model"][k]) for k in averages)  # an average
 
 
 def test_ema_turned_on_at_a_resume_starts_from_the_checkpoints_weights(trainer_for, caplog):

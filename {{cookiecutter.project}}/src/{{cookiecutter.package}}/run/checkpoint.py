@@ -481,8 +481,8 @@ class Checkpointer:
         if dcp_folder:
             self.load_dcp(self.newest)
         for key, stateful in self.states.items():
-            if dcp_folder and key in checkpoint_dcp.TENSORS:
-                continue
+            if dcp_folder and key in checkpoint_dcp.TENSORS and state.get(key) is None:
+                continue  # loaded above (a folder written before the EMA was a share has it here)
             if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
                 try:
                     stateful.load_state_dict(state[key])
