@@ -81,6 +81,7 @@ def test_a_resume_on_the_same_or_another_world_size_ends_where_the_uninterrupted
     assert max_abs_diff(resumed["model"], uninterrupted["model"]) <= (0 if nproc == 2 else 1e-5)
 
 
+@pytest.mark.slow  # a long end-to-end run: file reads and DCP writes each have faster tests
 def test_a_file_format_run_goes_on_in_dcp(dcp_run, tmp_path):
     """The other direction: step_<N>.pt resumed, the next checkpoints folders."""
     run = tmp_path / "run"

@@ -388,6 +388,7 @@ def doctor_node(*args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # a launch stopped by SIGINT
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_doctor_waiting_for_the_other_nodes_stops_at_ctrl_c_in_one_line(rank):
     """Node 0 waiting for the others, node 1 for node 0 (an image still pulling): SIGINT stops
@@ -422,6 +423,7 @@ def test_a_node_whose_node_0_never_comes_says_so_in_one_line():
     )
 
 
+@pytest.mark.slow  # a launch stopped by SIGINT
 def test_k8s_doctor_stops_at_ctrl_c_in_one_line_naming_what_may_be_left(tmp_path):
     """SIGINT while kubectl is busy (here a kubectl that never answers): one line, 130, naming
     the Job that may be running and the command that stops it."""

@@ -349,6 +349,7 @@ def node_gpus(flavor: str) -> int:
     return GPUS if flavor == "job" else 1
 
 
+@pytest.mark.slow  # pod 0 started 15 s late (a slow image pull), on purpose
 @pytest.mark.parametrize("flavor", [pytest.param(OWN_FLAVOR, marks=pytest.mark.render)])
 def test_the_manifests_launch_line_trains_on_two_nodes(hosts, tmp_path, flavor):
     """Pod 1 starts first and pod 0, which hosts the rendezvous, 15 s later (a slow image pull),

@@ -75,6 +75,7 @@ def snapshot(run_dir) -> dict:
     }
 
 
+@pytest.mark.slow  # a second launch while the first trains
 @pytest.mark.timeout(300)
 def test_a_second_launch_into_a_busy_run_dir_is_refused_and_changes_nothing(
     tmp_path, monkeypatch, capsys
