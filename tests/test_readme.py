@@ -168,7 +168,7 @@ CLASSIFIED = [
     (r"python src/", "theirs"),  # lightning-hydra-template's, in the comparison table
     (r"{project} train( |$)", "launcher"),
     (r"python -m {package}\.(check)( |$)", "module-run"),
-    (r"python -m {package}\.(k8s|data)( |$)", "module-run"),
+    (r"python -m {package}\.(k8s|prepare)( |$)", "module-run"),
     (r"python -m {package}\.train (--cfg job|-m \.\.\.)$", "module-run"),
     (r"python -m {package}\.(bench|doctor|metrics)( |$)", "module-parse"),
     (r"python -m {package}\.(evaluate|generate|export)( |$)", "evaluate"),  # their parse()
