@@ -15,6 +15,7 @@ from ddp_project.config.compose import config_problem
 from ddp_project.config.schema import Precision
 from ddp_project.model import Gpt, Mlp
 from ddp_project.run import checkpoint, checkpoint_dcp, ddp, fsdp
+from ddp_project.run.ema import EMA
 
 # A tiny GPT: 2 blocks, 8 steps of 2 micro-batches, clipped; a DCP checkpoint every 4 steps.
 TINY = (
@@ -269,6 +270,29 @@ def test_each_block_is_sharded_and_only_the_last_micro_batch_reduces(group_of_on
     saved = checkpoint_dcp.tensors(model, optimizer)["model"]
     assert list(saved) == names  # the bare model's names
     assert checkpoint.all_finite(model)
+
+
+def test_the_ema_swapped_in_reaches_every_block_and_the_root_and_goes_back(group_of_one):
+    """FSDP2 keeps the root's gathered weights after a forward: the EMA's validation must not
+    score them (embeddings and head of the weights, blocks of the average), nor the next step
+    train on the average's."""
+    torch.manual_seed(0)
+    model = Gpt(*tiny_options())
+    fsdp.shard(model, torch.device("cpu"), Precision.fp32)
+    ema = EMA(model, 0.5)
+    with torch.no_grad():
+        for average in ema.averages:
+            average.mul_(0.5)  # an average unlike the weights everywhere
+    reference = Gpt(*tiny_options())
+    reference.load_state_dict({k: fsdp.whole(v) for k, v in ema.state_dict().items()})
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        before = model(tokens)  # the root's weights stay gathered after it
+        with ema.swapped_in():
+            averaged = model(tokens)
+        after = model(tokens)
+    assert torch.allclose(averaged, reference(tokens).detach(), atol=1e-6)
+    assert torch.equal(after, before)
 
 
 def test_the_precision_policy_is_bf16_weights_and_fp32_reductions_on_a_gpu_only():

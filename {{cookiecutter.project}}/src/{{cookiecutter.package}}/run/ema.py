@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import fsdp
+
 
 class EMA:
     def __init__(self, module: torch.nn.Module, decay: float) -> None:
@@ -70,7 +72,9 @@ class EMA:
     def swapped_in(self) -> Iterator[None]:
         """The averages in the model's parameters for the block (validation scores them), the
         weights back after it, bit for bit. fp32 parameters trade places with their averages, a
-        tensor at a time (no second copy of the model); others are kept aside meanwhile."""
+        tensor at a time (no second copy of the model); others are kept aside meanwhile. Under
+        fsdp2 the swaps are in the shards, and the gathered weights are dropped after each, so
+        that neither the block nor the next step's forward reads the other's."""
         kept: dict[int, torch.Tensor] = {}
         pairs = list(zip(self.parameters, self.averages, strict=True))
         with torch.no_grad():
@@ -80,6 +84,7 @@ class EMA:
                 else:
                     kept[i] = parameter.detach().clone()
                     parameter.copy_(average)
+        fsdp.drop_gathered(self.module)
         try:
             yield
         finally:
@@ -89,6 +94,7 @@ class EMA:
                         parameter.copy_(kept[i])
                     else:
                         swap(parameter, average)
+            fsdp.drop_gathered(self.module)
 
 
 def swap(a: torch.Tensor, b: torch.Tensor) -> None:

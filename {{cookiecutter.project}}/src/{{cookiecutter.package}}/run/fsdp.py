@@ -78,6 +78,16 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def drop_gathered(model: nn.Module) -> None:
+    """Free every gathered copy of the weights, so that the next forward gathers them from the
+    shards again. FSDP2 keeps the root's gathered after a forward (a backward would gather them
+    again at once): weights changed in place in their shards meanwhile (the EMA swapped in for a
+    validation, and back) would not reach that forward. No-op on a model that is not sharded."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor of a sharded one (a gradient norm over the shards), as DDP's would be."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
