@@ -481,9 +481,9 @@ class Checkpointer:
         if dcp_folder:
             self.load_dcp(self.newest)
         for key, stateful in self.states.items():
-            if dcp_folder and key in checkpoint_dcp.TENSORS and state.get(key) is None:
-                continue  # loaded above (a folder written before the EMA was a share has it here)
-            if state.get(key):  # an empty scaler state: it was disabled (bf16, fp32, CPU)
+            # None: none kept, or a DCP folder's tensors, loaded above (a folder written before
+            # the EMA was a share has it here); an empty scaler state: disabled (bf16, fp32, CPU)
+            if state.get(key):
                 try:
                     stateful.load_state_dict(state[key])
                 except (RuntimeError, ValueError, KeyError) as err:

@@ -72,7 +72,10 @@ def tensors(
 
 def held(path: Path) -> set[str]:
     """The states a folder holds tensors of: model, optimizer, and ema if it was kept."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    return states_of(dcp.FileSystemReader(path).read_metadata())
+
+
+def states_of(metadata: Any) -> set[str]:
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
@@ -90,7 +93,7 @@ def verify(path: Path) -> None:
     and every file the metadata points into is there and long enough (a share lost or cut
     short, as on a run dir that is not one file system for every node)."""
     metadata = dcp.FileSystemReader(path).read_metadata()
-    states = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    states = states_of(metadata)
     if not states >= set(REQUIRED):
         raise ValueError(
             f"not a training checkpoint: it holds {', '.join(sorted(states)) or 'nothing'}"
