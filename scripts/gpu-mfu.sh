@@ -2,8 +2,10 @@
 # MFU, tokens/s and peak memory of the generated project on one GPU, as the log line and
 # metrics.jsonl give them, for variants interleaved round by round in one invocation (the
 # machines drift between launches). Each run's windows after the first 20 steps (warm-up,
-# compilation) count; the table gives each variant's median over ROUNDS rounds (default 3), and
-# their min-max. Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
+# compilation) count, all of them: a run's MFU and tokens/s are its tokens over its time in those
+# windows (a stall in one window counts), then the median over ROUNDS rounds (default 3) and their
+# min-max. "slowest window" is the lowest window MFU of any round: a stall the median hides.
+# Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
 #   scripts/fetch-gpu-wheels.sh   # once, here
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh [NAME:OVERRIDES ...]
 # Without arguments: gpt2_small eager and compiled, and mlp_134m. With them, e.g.
@@ -40,7 +42,7 @@ done
 python3 - "$OUT/mfu.jsonl" <<'PY' | tee "$OUT/mfu.log"
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print("variant          rounds  MFU median (min-max)    tokens/s median      ms/step   peak GiB")
+print("variant          rounds  MFU median (min-max)    tokens/s median      ms/step   slowest window   peak GiB")
 for variant in dict.fromkeys(r["variant"] for r in rows):
     per_round = {}
     for r in rows:
@@ -49,10 +51,12 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
     if not per_round:
         print(f"{variant:16} no windows past step 20")
         continue
-    def median_of(key):
-        return [statistics.median(x[key] for x in rs) for rs in per_round.values()]
-    mfu, tok, ms = median_of("mfu"), median_of("tokens_per_s"), median_of("step_time_ms")
+    def over_time(key):  # windows of equal steps: the rate over their time is the harmonic mean
+        return [len(rs) / sum(1 / x[key] for x in rs) for rs in per_round.values()]
+    mfu, tok = over_time("mfu"), over_time("tokens_per_s")
+    ms = [statistics.mean(x["step_time_ms"] for x in rs) for rs in per_round.values()]
+    slowest = min(x["mfu"] for rs in per_round.values() for x in rs)
     peak = max(x["peak_memory_gib"] for rs in per_round.values() for x in rs)
     print(f"{variant:16} {len(mfu):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
-          f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {peak:7.1f}")
+          f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}")
 PY
