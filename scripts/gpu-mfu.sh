@@ -52,11 +52,12 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
         print(f"{variant:16} no windows past step 20")
         continue
     def over_time(key):  # windows of equal steps: the rate over their time is the harmonic mean
-        return [len(rs) / sum(1 / x[key] for x in rs) for rs in per_round.values()]
-    mfu, tok = over_time("mfu"), over_time("tokens_per_s")
+        rates = [[x[key] for x in rs if x.get(key)] for rs in per_round.values()]
+        return [len(r) / sum(1 / v for v in r) for r in rates if r] or [float("nan")]
+    mfu, tok = over_time("mfu"), over_time("tokens_per_s")  # nan: not known (a CPU, a MIG slice)
     ms = [statistics.mean(x["step_time_ms"] for x in rs) for rs in per_round.values()]
-    slowest = min(x["mfu"] for rs in per_round.values() for x in rs)
-    peak = max(x["peak_memory_gib"] for rs in per_round.values() for x in rs)
-    print(f"{variant:16} {len(mfu):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
+    slowest = min((x["mfu"] for rs in per_round.values() for x in rs if x.get("mfu")), default=float("nan"))
+    peak = max(x["peak_memory_gib"] or 0 for rs in per_round.values() for x in rs)
+    print(f"{variant:16} {len(ms):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
           f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}")
 PY
