@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
 from ddp_project.config.compose import config_problem
-from ddp_project.config.optimizer import upgraded
+from ddp_project.config.error import ConfigError
+from ddp_project.config.optimizer import check_optimizer, upgraded
 from ddp_project.core.world import World
 from ddp_project.run import rundir
 from ddp_project.run.trainer import Trainer
@@ -104,6 +105,11 @@ REFUSED = [
         "optimizer: torch.optim.SGD refuses its keywords: Invalid momentum value: -1",
     ),
     (
+        "+optimizer.kwargs.capturable=true dist.backend=gloo",
+        "optimizer: torch.optim.AdamW fails a step on the CPU with its keywords: If "
+        "capturable=True, params and state_steps must be on supported devices:",
+    ),
+    (
         "optimizer._target_=torch.optim.Rprop optimizer.betas=null optimizer.eps=null",
         "optimizer.weight_decay=0.01: torch.optim.Rprop has no weight decay; set it to 0",
     ),
@@ -131,6 +137,15 @@ def test_each_bad_optimizer_ema_or_patience_key_is_one_line(overrides, line):
     problem = config_problem(overrides.split())
     assert problem is not None and "\n" not in problem
     assert problem.startswith(line), problem
+
+
+def test_a_keyword_only_a_gpu_takes_passes_for_workers_on_gpus(compose_train):
+    """capturable=true fails a step on the CPU, not on a GPU: the launcher, which must not hold a
+    GPU itself, leaves that to the workers' first step."""
+    cfg = OmegaConf.to_object(compose_train("+optimizer.kwargs.capturable=true"))
+    check_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=True)
+    with pytest.raises(ConfigError, match="fails a step on the CPU"):
+        check_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=False)
 
 
 def test_other_optimizers_and_their_keywords_pass():

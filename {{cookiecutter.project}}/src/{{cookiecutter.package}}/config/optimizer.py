@@ -82,9 +82,10 @@ def keywords(cfg: OptimizerConfig) -> dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None} | dict(cfg.kwargs)
 
 
-def check_optimizer(cfg: OptimizerConfig, lr: float) -> None:
+def check_optimizer(cfg: OptimizerConfig, lr: float, on_cuda: bool) -> None:
     """The class exists, takes every keyword given, and accepts their values (built once on a
-    one-element tensor: the class's own checks, momentum < 0 say, as one line)."""
+    one-element tensor: the class's own checks, momentum < 0 say, as one line). For workers on
+    the CPU it takes a step too: some checks wait for one (capturable=true needs a GPU)."""
     import torch
 
     cls = optimizer_class(cfg._target_)
@@ -115,10 +116,20 @@ def check_optimizer(cfg: OptimizerConfig, lr: float) -> None:
     trial = [torch.zeros(1, requires_grad=True)]
     decay = {"weight_decay": cfg.weight_decay} if takes(cls, "weight_decay") else {}
     try:
-        cls(trial, lr=lr, **decay, **keywords(cfg))
+        optimizer = cls(trial, lr=lr, **decay, **keywords(cfg))
     except Exception as err:  # the class's own checks: ValueError mostly, TypeError for a type
         reason = " ".join(str(err).split())[:300]
         raise ConfigError(f"optimizer: {cfg._target_} refuses its keywords: {reason}") from None
+    if on_cuda:  # a step here would hold a GPU in the launcher; the workers' first step checks
+        return
+    trial[0].grad = torch.ones_like(trial[0])
+    try:
+        optimizer.step()
+    except Exception as err:  # AssertionError (capturable), TypeError (a closure it needs), ...
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"optimizer: {cfg._target_} fails a step on the CPU with its keywords: {reason}"
+        ) from None
 
 
 def upgraded(saved: dict[str, Any]) -> dict[str, Any]:
