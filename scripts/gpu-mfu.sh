@@ -5,7 +5,8 @@
 # compilation) count, all of them: a run's MFU and tokens/s are its tokens over its time in those
 # windows (a stall in one window counts), then the median over ROUNDS rounds (default 3) and their
 # min-max. "slowest window" is the lowest window MFU of any round: a stall the median hides.
-# Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log.
+# Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log, the launches' logs in $OUT/logs.tgz. STOP_AFTER_S:
+# no launch starts after that many seconds of the script (one device call has 600).
 #   scripts/fetch-gpu-wheels.sh   # once, here
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh [NAME:OVERRIDES ...]
 # Without arguments: gpt2_small eager and compiled, and mlp_134m. With them, e.g.
@@ -29,6 +30,10 @@ done
 : >"$OUT/mfu.jsonl"
 for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
+    if (( SECONDS > ${STOP_AFTER_S:-86400} )); then  # a device call's limit: keep what ran
+      echo "STOP_AFTER_S=$STOP_AFTER_S: not starting $name round $round"
+      break 2
+    fi
     run=$work/runs/$name-$round
     # shellcheck disable=SC2086  # the overrides are words
     timeout 400 python3 -m ddp_project.launch train --standalone --nproc-per-node 1 ${overrides[$name]} \
@@ -61,3 +66,4 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
     print(f"{variant:16} {len(ms):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
           f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}")
 PY
+tar czf "$OUT/logs.tgz" ./*.log  # in $work

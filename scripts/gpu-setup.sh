@@ -1,5 +1,6 @@
 # Sourced by the GPU scripts: the environment, then the template rendered and the project
-# installed non-editably (no registry needed). Sets $work and $project.
+# installed non-editably (no registry needed). Sets $work and $project. GC_PROBE=1: each
+# Python process prints a line per full garbage collection (scripts/gc-probe/sitecustomize.py).
 # NVLink multicast must stay off on the shared GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}
@@ -7,6 +8,9 @@ mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [[ ${GC_PROBE:-} == 1 ]]; then  # every Python process logs its full collections (gc-probe/)
+  export PYTHONPATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gc-probe${PYTHONPATH:+:$PYTHONPATH}
 fi
 work=$(mktemp -d)
 python3 -m cookiecutter "$PWD" --no-input -o "$work/render"

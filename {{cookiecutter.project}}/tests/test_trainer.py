@@ -2,6 +2,7 @@
 stops a run or skips a step), its log windows (summed over ranks; a row reaches metrics.jsonl
 before the checkpoint of its step), and how it stops for a signal."""
 
+import gc
 import json
 import logging
 import math
@@ -17,8 +18,9 @@ import ddp_project.model  # noqa: F401
 from ddp_project.core.world import World
 from ddp_project.record import metrics
 from ddp_project.run import scoring, stopping
+from ddp_project.run import trainer as trainer_module
 from ddp_project.run.checkpoint import Checkpointer, Diverged
-from ddp_project.run.trainer import Window
+from ddp_project.run.trainer import Window, freeze_start_up_objects
 
 ONE = World()
 
@@ -392,3 +394,32 @@ def test_val_batches_caps_each_validation_and_each_batch_tells_the_watchdog(trai
     rows = rows_of(trainer.run_dir)
     assert len(trainer.held_out) > 3 and [rows[s]["val_loss"] > 0 for s in (2, 4)] == [True, True]
     assert len(beats) == 4 + 2 * 3  # a beat per step, and one per scored batch
+
+
+def test_start_up_objects_are_collected_and_frozen_on_a_gpu_and_left_alone_on_a_cpu():
+    """Frozen objects are out of every later full collection, which then takes 20 ms, not the
+    250 ms that stalled a step (BENCHMARKS.md)."""
+    gc.unfreeze()
+    try:
+        freeze_start_up_objects(torch.device("cpu"))
+        assert gc.get_freeze_count() == 0
+        freeze_start_up_objects(torch.device("cuda"))  # touches no GPU: gc only
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
+
+
+def test_the_loop_freezes_start_up_objects_once_after_the_first_step(trainer_for, monkeypatch):
+    calls = []
+    monkeypatch.setattr(trainer_module, "freeze_start_up_objects", calls.append)
+    trainer = trainer_for("trainer.max_steps=3", "trainer.val_every=0")
+    frozen_before_each_step = []
+    step = trainer.step
+
+    def counted_step(*args, **kwargs):
+        frozen_before_each_step.append(len(calls))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "step", counted_step)
+    assert not trainer.train()
+    assert calls == [trainer.device] and frozen_before_each_step == [0, 1, 1]
