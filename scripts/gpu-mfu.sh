@@ -15,6 +15,10 @@ set -uo pipefail
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
 rounds=${ROUNDS:-3}
+if [[ ! ${STOP_AFTER_S:-0} =~ ^[0-9]+$ ]]; then
+  echo "STOP_AFTER_S=$STOP_AFTER_S: a whole number of seconds" >&2
+  exit 2
+fi
 steps=${STEPS:-80}
 variants=("$@")
 if [[ ${#variants[@]} == 0 ]]; then

@@ -409,17 +409,30 @@ def test_start_up_objects_are_collected_and_frozen_on_a_gpu_and_left_alone_on_a_
         gc.unfreeze()
 
 
-def test_the_loop_freezes_start_up_objects_once_after_the_first_step(trainer_for, monkeypatch):
+def test_the_loop_freezes_start_up_objects_after_the_first_step_and_thaws_them_at_its_end(
+    trainer_for, monkeypatch
+):
+    """Thawed: a sweep's jobs run one after another in a process, and each one's model must be
+    collectable once it ends."""
     calls = []
-    monkeypatch.setattr(trainer_module, "freeze_start_up_objects", calls.append)
+
+    def freeze_as_on_a_gpu(device):
+        calls.append(device)
+        freeze_start_up_objects(torch.device("cuda"))
+
+    monkeypatch.setattr(trainer_module, "freeze_start_up_objects", freeze_as_on_a_gpu)
     trainer = trainer_for("trainer.max_steps=3", "trainer.val_every=0")
     frozen_before_each_step = []
     step = trainer.step
 
     def counted_step(*args, **kwargs):
-        frozen_before_each_step.append(len(calls))
+        frozen_before_each_step.append(gc.get_freeze_count() > 0)
         return step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "step", counted_step)
-    assert not trainer.train()
-    assert calls == [trainer.device] and frozen_before_each_step == [0, 1, 1]
+    try:
+        assert not trainer.train()
+        assert calls == [trainer.device] and frozen_before_each_step == [False, True, True]
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
