@@ -58,11 +58,10 @@ def freeze_start_up_objects(device: torch.device) -> None:
     Imports, the model and torch.compile leave some 400,000 objects that Python's collector has
     not yet counted as old: its first full collection then fell inside a later step, 0.25 s with
     the GPU idle (steps 41-50 of gpt2_small under FSDP2 on an H100, whose hooks allocate enough
-    to get there that soon; BENCHMARKS.md). Here it falls in the first step, out of the
-    figures, and later full collections skip the frozen objects (20 ms instead of 250) until
-    the loop ends and thaws them. Not on a
-    CPU: runs there are tests and demos, short, and each launch would pay 0.1-0.2 s for a stall
-    that a short run seldom reaches."""
+    to get there that soon; BENCHMARKS.md). Here it falls in the first step, out of the figures,
+    and later full collections skip the frozen objects (20 ms instead of 250) until the loop ends
+    and thaws them. Not on a CPU: runs there are tests and demos, short, and each launch would
+    pay 0.1-0.2 s for a stall that a short run seldom reaches."""
     if device.type == "cuda":
         gc.collect()
         gc.freeze()
