@@ -6,19 +6,20 @@
 # windows (a stall in one window counts), then the median over ROUNDS rounds (default 3) and their
 # min-max. "slowest window" is the lowest window MFU of any round: a stall the median hides.
 # Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log, the launches' logs in $OUT/logs.tgz. STOP_AFTER_S:
-# no launch starts after that many seconds of the script (one device call has 600).
+# no launch starts after that many seconds of the script, set-up included; one that started runs
+# on (up to 400 s), so leave a launch's length between it and the device call's limit.
 #   scripts/fetch-gpu-wheels.sh   # once, here
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-mfu.sh [NAME:OVERRIDES ...]
 # Without arguments: gpt2_small eager and compiled, and mlp_134m. With them, e.g.
 #   bash scripts/gpu-mfu.sh "b8:experiment=gpt2_small" "b32:experiment=gpt2_small data.batch_size=32"
 set -uo pipefail
-source "$(dirname "$0")/gpu-setup.sh"
-cd "$work"
-rounds=${ROUNDS:-3}
-if [[ ! ${STOP_AFTER_S:-0} =~ ^[0-9]+$ ]]; then
+if [[ ! ${STOP_AFTER_S:-0} =~ ^(0|[1-9][0-9]*)$ ]]; then  # before the set-up spends device time
   echo "STOP_AFTER_S=$STOP_AFTER_S: a whole number of seconds" >&2
   exit 2
 fi
+source "$(dirname "$0")/gpu-setup.sh"
+cd "$work"
+rounds=${ROUNDS:-3}
 steps=${STEPS:-80}
 variants=("$@")
 if [[ ${#variants[@]} == 0 ]]; then
@@ -70,4 +71,10 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
     print(f"{variant:16} {len(ms):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
           f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}")
 PY
-tar czf "$OUT/logs.tgz" ./*.log  # in $work
+summary=$?
+shopt -s nullglob
+logs=(./*.log)  # in $work
+if (( ${#logs[@]} )); then
+  tar czf "$OUT/logs.tgz" "${logs[@]}"
+fi
+exit "$summary"

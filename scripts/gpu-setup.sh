@@ -10,7 +10,8 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if [[ ${GC_PROBE:-} == 1 ]]; then  # every Python process logs its full collections (gc-probe/)
-  export PYTHONPATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gc-probe${PYTHONPATH:+:$PYTHONPATH}
+  probe=$(CDPATH='' cd -- "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gc-probe
+  export PYTHONPATH=$probe${PYTHONPATH:+:$PYTHONPATH}
 fi
 work=$(mktemp -d)
 python3 -m cookiecutter "$PWD" --no-input -o "$work/render"

@@ -1,7 +1,8 @@
-"""Python's garbage collections as they happen, for the GPU scripts (scripts/gpu-gc.sh puts this
-folder first on PYTHONPATH, so every Python process of a launch loads it): one stderr line per
-full (generation 2) collection and per collection of 10 ms or more, in the run's log between the
-loop's own lines, so a slow step window can be matched to what the collector did inside it."""
+"""Python's garbage collections as they happen, for the GPU scripts (GC_PROBE=1 makes
+scripts/gpu-setup.sh put this folder on PYTHONPATH, so every Python process of a launch loads it,
+in place of any other sitecustomize): one stderr line per full (generation 2) collection and per
+collection of 10 ms or more, in the run's log between the loop's own lines, so a slow step window
+can be matched to what the collector did inside it."""
 
 import gc
 import os

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import signal
+import weakref
 
 import pytest
 import torch
@@ -396,33 +397,41 @@ def test_val_batches_caps_each_validation_and_each_batch_tells_the_watchdog(trai
     assert len(beats) == 4 + 2 * 3  # a beat per step, and one per scored batch
 
 
+class Cycle:
+    """Garbage only a full collection frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
 def test_start_up_objects_are_collected_and_frozen_on_a_gpu_and_left_alone_on_a_cpu():
     """Frozen objects are out of every later full collection, which then takes 20 ms, not the
-    250 ms that stalled a step (BENCHMARKS.md)."""
+    250 ms that stalled a step (BENCHMARKS.md); collected first, start-up's garbage is not kept
+    for the whole run."""
     gc.unfreeze()
+    gc.disable()  # no automatic collection frees the garbage before the one tested
     try:
-        freeze_start_up_objects(torch.device("cpu"))
+        assert freeze_start_up_objects(torch.device("cpu")) is False
         assert gc.get_freeze_count() == 0
-        freeze_start_up_objects(torch.device("cuda"))  # touches no GPU: gc only
-        assert gc.get_freeze_count() > 10_000
+        garbage = weakref.ref(Cycle())
+        assert garbage() is not None
+        assert freeze_start_up_objects(torch.device("cuda")) is True  # touches no GPU: gc only
+        assert garbage() is None and gc.get_freeze_count() > 10_000
     finally:
+        gc.enable()
         gc.unfreeze()
 
 
-def test_the_loop_freezes_start_up_objects_after_the_first_step_and_thaws_them_at_its_end(
-    trainer_for, monkeypatch
-):
-    """Thawed: a sweep's jobs run one after another in a process, and each one's model must be
-    collectable once it ends."""
-    calls = []
+def freezing_as_on_a_gpu(monkeypatch, trainer):
+    """The loop's freeze made as on a GPU, for a trainer on the CPU: the devices it was asked
+    for, and whether anything was frozen before each step."""
+    calls, frozen_before_each_step = [], []
 
-    def freeze_as_on_a_gpu(device):
+    def freeze(device):
         calls.append(device)
-        freeze_start_up_objects(torch.device("cuda"))
+        return freeze_start_up_objects(torch.device("cuda"))
 
-    monkeypatch.setattr(trainer_module, "freeze_start_up_objects", freeze_as_on_a_gpu)
-    trainer = trainer_for("trainer.max_steps=3", "trainer.val_every=0")
-    frozen_before_each_step = []
+    monkeypatch.setattr(trainer_module, "freeze_start_up_objects", freeze)
     step = trainer.step
 
     def counted_step(*args, **kwargs):
@@ -430,9 +439,51 @@ def test_the_loop_freezes_start_up_objects_after_the_first_step_and_thaws_them_a
         return step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "step", counted_step)
+    return calls, frozen_before_each_step
+
+
+def test_the_loop_freezes_start_up_objects_after_the_first_step_and_thaws_them_at_its_end(
+    trainer_for, monkeypatch
+):
+    """Thawed: finish_together's collection frees DDP's cycles, and a sweep's jobs run one after
+    another in a process, each one's model collectable once it ends."""
+    trainer = trainer_for("trainer.max_steps=3", "trainer.val_every=0")
+    calls, frozen_before_each_step = freezing_as_on_a_gpu(monkeypatch, trainer)
     try:
         assert not trainer.train()
         assert calls == [trainer.device] and frozen_before_each_step == [False, True, True]
         assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
+def test_a_loop_that_fails_after_its_first_step_thaws_too(trainer_for, monkeypatch):
+    trainer = trainer_for("trainer.max_steps=3", "trainer.val_every=0")
+    freezing_as_on_a_gpu(monkeypatch, trainer)
+    step = trainer.step
+    steps = []
+
+    def failing_second(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "step", failing_second)
+    try:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            trainer.train()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cpu_loop_leaves_a_freeze_it_did_not_make(trainer_for):
+    """A user's own gc.freeze (before forking workers, as Python's docs advise) is theirs."""
+    trainer = trainer_for("trainer.max_steps=2", "trainer.val_every=0")
+    gc.freeze()
+    try:
+        assert not trainer.train()
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

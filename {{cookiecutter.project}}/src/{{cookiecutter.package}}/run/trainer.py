@@ -52,19 +52,22 @@ def autocast_for(device: torch.device, precision: Precision) -> partial[torch.au
     return partial(torch.autocast, device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def freeze_start_up_objects(device: torch.device) -> None:
-    """Collect Python's garbage once, then freeze what survives, on a GPU after the first step.
+def freeze_start_up_objects(device: torch.device) -> bool:
+    """On a GPU, collect Python's garbage once and freeze what survives: True if it did.
 
-    Imports, the model and torch.compile leave some 400,000 objects that Python's collector has
-    not yet counted as old: its first full collection then fell inside a later step, 0.25 s with
-    the GPU idle (steps 41-50 of gpt2_small under FSDP2 on an H100, whose hooks allocate enough
-    to get there that soon; BENCHMARKS.md). Here it falls in the first step, out of the figures,
-    and later full collections skip the frozen objects (20 ms instead of 250) until the loop ends
-    and thaws them. Not on a CPU: runs there are tests and demos, short, and each launch would
-    pay 0.1-0.2 s for a stall that a short run seldom reaches."""
-    if device.type == "cuda":
-        gc.collect()
-        gc.freeze()
+    Python runs a full collection only once the objects promoted since the last one outnumber a
+    quarter of those it found then. Start-up's (imports, the model, torch.compile: some 420,000)
+    put the first inside a later step, 0.25 s with the GPU idle (steps 41-50 of gpt2_small under
+    FSDP2 on an H100, whose hooks allocate enough to get there that soon; BENCHMARKS.md). Called
+    in the first step's time, it falls there, out of the figures, and later full collections skip
+    the frozen objects (20 ms instead of 250). A frozen object that becomes cyclic garbage stays
+    until the loop thaws them at its end. Not on a CPU: runs there are tests and demos, short, and
+    each launch would pay 0.1-0.2 s for a stall that a short run seldom reaches."""
+    if device.type != "cuda":
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 class Window:
@@ -293,7 +296,7 @@ class Trainer:
                 pending, row = row, None  # a write that fails is not tried again
                 record.write(pending)
 
-        first = True
+        first, frozen = True, False
         profiler = self.profiler
         self.timeline.mark("the loop's set-up")  # config.yaml, the loggers
         if self.world.main:
@@ -311,6 +314,7 @@ class Trainer:
                         self.step([next(batches) for _ in range(accumulation)], log_now)
                     write_row()  # the file and logger work overlaps this step on the GPU
                     if first:
+                        frozen = freeze_start_up_objects(self.device)
                         self.set_aside_first_step(started)
                         self.checkpointer.prepare()
                     first = False
@@ -354,20 +358,20 @@ class Trainer:
                             log.info("%s", self.early_stopping.line(step))
                         return False
             finally:
+                if frozen:  # first: finish_together's collection, a sweep's next job, need it
+                    gc.unfreeze()
                 if profiler is not None:
                     profiler.finish()  # a window the loop ended inside: as far as it got
                 write_row()  # the step after it failed: the window's figures stand
-                gc.unfreeze()  # a sweep's next job in this process can collect this one's cycles
         return False
 
     def set_aside_first_step(self, started: float) -> None:
         """The first step of a launch (compiling the model, warming up the GPU) is no measure
-        of the steps: left out of the window's figures, into goodput's account, as is the
+        of the steps: left out of the window's figures, into goodput's account, with the
         collection of what start-up left (freeze_start_up_objects). With
         torch.compile: how long it took, and from here on the graphs it makes are news."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        freeze_start_up_objects(self.device)
         took = time.perf_counter() - started
         self.window.set_aside(took, steps=1)
         self.lost["first step"] += took
