@@ -13,8 +13,9 @@
 # Without arguments: gpt2_small eager and compiled, and mlp_134m. With them, e.g.
 #   bash scripts/gpu-mfu.sh "b8:experiment=gpt2_small" "b32:experiment=gpt2_small data.batch_size=32"
 set -uo pipefail
-if [[ ! ${STOP_AFTER_S:-0} =~ ^(0|[1-9][0-9]*)$ ]]; then  # before the set-up spends device time
-  echo "STOP_AFTER_S=$STOP_AFTER_S: a whole number of seconds" >&2
+stop_after=${STOP_AFTER_S:-86400}
+if [[ ! $stop_after =~ ^(0|[1-9][0-9]*)$ ]]; then  # before the set-up spends device time
+  echo "STOP_AFTER_S=$stop_after: a whole number of seconds" >&2
   exit 2
 fi
 source "$(dirname "$0")/gpu-setup.sh"
@@ -35,8 +36,8 @@ done
 : >"$OUT/mfu.jsonl"
 for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
-    if (( SECONDS > ${STOP_AFTER_S:-86400} )); then  # a device call's limit: keep what ran
-      echo "STOP_AFTER_S=$STOP_AFTER_S: not starting $name round $round"
+    if (( SECONDS > stop_after )); then  # a device call's limit: keep what ran
+      echo "STOP_AFTER_S=$stop_after: not starting $name round $round"
       break 2
     fi
     run=$work/runs/$name-$round
