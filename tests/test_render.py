@@ -200,6 +200,7 @@ EXPECTED_FILES = {
     "tests/test_project_files.py",
     "tests/test_train.py",
     "tests/test_trainer.py",
+    "tests/tolerance.py",
     "configs/experiment/gpt_sample.yaml",
     "configs/hparams_search/optuna.yaml",
     "configs/optimizer/adamw.yaml",

@@ -12,16 +12,13 @@ import sys
 import pytest
 import torch
 from conftest import PACKAGE, shared_folder, torchrun
+from tolerance import max_abs_diff, reordered
 
 from ddp_project.core.world import World
 from ddp_project.run import checkpoint
 from ddp_project.run.checkpoint import Checkpointer, Progress
 
 ONE = World()
-
-
-def max_abs_diff(a, b) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +75,9 @@ def test_a_resume_on_the_same_or_another_world_size_ends_where_the_uninterrupted
     resumed = checkpoint.read(run / "checkpoints" / f"step_000000040{suffix}")
     uninterrupted = checkpoint.read(dcp_run / "checkpoints" / "step_000000040.dcp")
     assert resumed["data"] == uninterrupted["data"]
-    assert max_abs_diff(resumed["model"], uninterrupted["model"]) <= (0 if nproc == 2 else 1e-5)
+    # 1 process adds each step's 256 samples in another order than 2 do, for 20 steps
+    apart = 0 if nproc == 2 else reordered(terms=256, steps=20)
+    assert max_abs_diff(resumed["model"], uninterrupted["model"]) <= apart
 
 
 @pytest.mark.slow  # a long end-to-end run: file reads and DCP writes each have faster tests

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import launch, shared_folder, torchrun
+from tolerance import max_abs_diff, reordered
 
 from ddp_project.config.compose import config_problem
 from ddp_project.config.schema import Precision
@@ -39,6 +40,11 @@ TINY = (
     "logger=csv",
 )
 LAST = "step_000000008.dcp"
+# DDP averages each gradient with an all-reduce of whole buckets, FSDP2 with a reduce-scatter of
+# shards, and its clipping norm sums the shards' squares in another order: the same sums, rounded
+# differently. Each gradient adds a global batch's 256 tokens (4 x 16, 2 micro-batches, 2 ranks),
+# 8 steps over.
+APART = reordered(terms=4 * 16 * 2 * 2, steps=8)
 
 
 def rows(run_dir):
@@ -51,7 +57,7 @@ def curve(run_dir):
     return [tuple(row[key] for key in keys) for row in rows(run_dir)]
 
 
-def assert_same_curve(first, second, rel=1e-5):
+def assert_same_curve(first, second, rel=APART):
     assert [row[0] for row in first] == [row[0] for row in second]
     for a, b in zip(first, second, strict=True):
         assert a[1:] == pytest.approx(b[1:], rel=rel, nan_ok=True), (a, b)
@@ -61,9 +67,17 @@ def final_model(run_dir, weights="model"):
     return checkpoint.read(run_dir / "checkpoints" / LAST)[weights]
 
 
-def max_abs_diff(a, b) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def without_key_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights but the keys' bias. Attention's softmax does not change when every key moves by
+    the same vector, so that bias's gradient is zero but for rounding, and AdamW, which divides
+    a gradient by its own size, turns that rounding into steps of up to lr: DDP and FSDP2 round
+    it differently, and its values are any within lr x steps of their start, by design."""
+    width = tiny_options()[0].d_model
+    kept = dict(state)
+    for name, tensor in state.items():
+        if name.endswith("qkv.bias"):
+            kept[name] = torch.cat([tensor[:width], tensor[2 * width :]])
+    return kept
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +107,12 @@ def test_fsdp2_follows_ddp_s_loss_curve_and_saves_the_same_plain_names(runs):
     sharded, replicated = final_model(fsdp2), final_model(ddp)
     # the bare model's names (no FSDP or checkpoint-wrapper prefix), whole tensors
     assert sorted(sharded) == sorted(Gpt(*tiny_options()).state_dict())
-    assert max_abs_diff(sharded, replicated) <= 1e-5
+    assert max_abs_diff(without_key_bias(sharded), without_key_bias(replicated)) <= APART
     # the EMA's shards, whole again, keyed as the model; the average of DDP's weights
     averaged = final_model(fsdp2, "ema")
     assert sorted(averaged) == sorted(sharded)
-    assert max_abs_diff(averaged, final_model(ddp, "ema")) <= 1e-5
+    ddp_average = final_model(ddp, "ema")
+    assert max_abs_diff(without_key_bias(averaged), without_key_bias(ddp_average)) <= APART
     assert max_abs_diff(averaged, sharded) > 1e-3  # an average, not the weights again
 
 
@@ -133,7 +148,8 @@ def test_a_dcp_checkpoint_resumes_under_the_other_strategy_on_the_same_curve(
         resumed, uninterrupted = [r[:3] for r in resumed], [r[:3] for r in uninterrupted]
     assert_same_curve(resumed, uninterrupted)
     for weights in ("model", "ema"):
-        assert max_abs_diff(final_model(run, weights), final_model(runs / "ddp", weights)) <= 1e-5
+        theirs, ours = final_model(run, weights), final_model(runs / "ddp", weights)
+        assert max_abs_diff(without_key_bias(theirs), without_key_bias(ours)) <= APART
 
 
 def test_a_file_checkpoint_is_refused_under_fsdp2_in_one_line(tmp_path):

@@ -23,16 +23,13 @@ from conftest import (
     worker_pid,
     worker_pids,
 )
+from tolerance import max_abs_diff, reordered
 
 from ddp_project.run import checkpoint
 
 
 def final_model(run_dir, step):
     return torch.load(run_dir / "checkpoints" / f"step_{step:09d}.pt")["model"]
-
-
-def max_abs_diff(a, b) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def static_rendezvous_command(*overrides: str, nproc: int) -> list[str]:
@@ -123,7 +120,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_keeps_the
     resumed = torch.load(newest)
     assert resumed["global_batch"] == {"processes": 1, "batch_size": 128, "accumulation": 2}
     assert resumed["config"]["trainer"]["grad_accumulation"] == 1  # the config as given
-    assert max_abs_diff(resumed["model"], uninterrupted) < 1e-5
+    assert max_abs_diff(resumed["model"], uninterrupted) <= reordered(terms=256, steps=10)
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_process(
