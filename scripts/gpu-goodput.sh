@@ -10,7 +10,8 @@
 #   scripts/fetch-gpu-wheels.sh   # once, here
 #   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-goodput.sh
 # PAIRS (default 2), STEPS (default 400) and OVERRIDES (default experiment=gpt2_small) narrow it;
-# LONG=3000 runs the long pair instead (cold, then warm from the caches beside the run).
+# LONG=3000 runs the long pair instead (cold, then warm from the caches beside the run; COLD_STEPS
+# shortens the cold one).
 # COMPARE=format compares trainer.checkpoint_format=file against dcp instead (both in the
 # background), and resumes the last run of each (the start-up line's resume phase: the load).
 set -uo pipefail
@@ -64,7 +65,9 @@ PY
 if [[ ${LONG:-} ]]; then
   # The target: a run of LONG steps with the defaults, cold (nothing cached anywhere), then
   # again in a new run dir with an empty /tmp and the first run's compile caches beside it.
-  launch cold-long "$runs/cold-long" trainer.max_steps="$LONG"
+  # COLD_STEPS shortens the cold run (default LONG): a few steps compile, validate and checkpoint
+  # as the long run does, so that the warm one finds all of its graphs.
+  launch cold-long "$runs/cold-long" trainer.max_steps="${COLD_STEPS:-$LONG}"
   rm -rf "$runs/cold-long/checkpoints"
   launch warm-long "$runs/warm-long" trainer.max_steps="$LONG"
   pairs=0

@@ -5,6 +5,11 @@
 # compilation) count, all of them: a run's MFU and tokens/s are its tokens over its time in those
 # windows (a stall in one window counts), then the median over ROUNDS rounds (default 3) and their
 # min-max. "slowest window" is the lowest window MFU of any round: a stall the median hides.
+# Each launch is a fresh node with runs of its own (/tmp's caches emptied, no .compile-cache beside
+# it): its first step, compile included, is a cold one, in the table too.
+# VARIANT_SED="NAME|FILE|EXPRESSION": variant NAME runs a copy of the package with the sed
+# EXPRESSION applied to FILE (a path in the package), e.g. the model compiled whole:
+#   VARIANT_SED="whole|run/compilation.py|s/blocks = repeated_blocks(bare)/blocks = []/"
 # Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log, the launches' logs in $OUT/logs.tgz. STOP_AFTER_S:
 # no launch starts after that many seconds of the script, set-up included; one that started runs
 # on (up to 400 s), so leave a launch's length between it and the device call's limit.
@@ -20,6 +25,17 @@ if [[ ! $stop_after =~ ^(0|[1-9][0-9]*)$ ]]; then  # before the set-up spends de
 fi
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
+declare -A sites=()
+if [[ ${VARIANT_SED:-} ]]; then
+  IFS='|' read -r sed_name sed_file sed_expression <<<"$VARIANT_SED"
+  cp -r "$work/site" "$work/site-$sed_name"
+  sed -i "$sed_expression" "$work/site-$sed_name/ddp_project/$sed_file"
+  if cmp -s "$work/site/ddp_project/$sed_file" "$work/site-$sed_name/ddp_project/$sed_file"; then
+    echo "VARIANT_SED: the expression changed nothing in $sed_file" >&2
+    exit 2
+  fi
+  sites[$sed_name]=$work/site-$sed_name:${PYTHONPATH#"$work/site:"}
+fi
 rounds=${ROUNDS:-3}
 steps=${STEPS:-80}
 variants=("$@")
@@ -40,20 +56,22 @@ for round in $(seq "$rounds"); do
       echo "STOP_AFTER_S=$stop_after: not starting $name round $round"
       break 2
     fi
-    run=$work/runs/$name-$round
+    run=$work/runs/$name-$round/run  # its own .compile-cache beside it
+    rm -rf /tmp/torchinductor_"$(id -un)" "$HOME/.triton/cache"  # a fresh node
     # shellcheck disable=SC2086  # the overrides are words
-    timeout 400 python3 -m ddp_project.launch train --standalone --nproc-per-node 1 ${overrides[$name]} \
+    PYTHONPATH=${sites[$name]:-$PYTHONPATH} timeout 400 python3 -m ddp_project.launch train --standalone --nproc-per-node 1 ${overrides[$name]} \
       trainer.max_steps="$steps" trainer.log_every=10 trainer.checkpoint_every=0 hydra.run.dir="$run" \
       >"$work/$name-$round.log" 2>&1 || { echo "$name round $round failed:"; tail -5 "$work/$name-$round.log"; }
     grep -h "MFU" "$work/$name-$round.log" | tail -1
-    python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "variant": sys.argv[2], "round": int(sys.argv[3])})) for l in open(sys.argv[1])]' \
-      "$run/metrics.jsonl" "$name" "$round" >>"$OUT/mfu.jsonl" 2>/dev/null
+    first=$(grep -ho "the first step took [0-9.]* s" "$work/$name-$round.log" | grep -o "[0-9.]* s" | head -1)
+    python3 -c 'import json,sys; [print(json.dumps({**json.loads(l), "variant": sys.argv[2], "round": int(sys.argv[3]), "first_step_s": float(sys.argv[4] or "nan")})) for l in open(sys.argv[1])]' \
+      "$run/metrics.jsonl" "$name" "$round" "${first% s}" >>"$OUT/mfu.jsonl" 2>/dev/null
   done
 done
 python3 - "$OUT/mfu.jsonl" <<'PY' | tee "$OUT/mfu.log"
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print("variant          rounds  MFU median (min-max)    tokens/s median      ms/step   slowest window   peak GiB")
+print("variant          rounds  MFU median (min-max)    tokens/s median      ms/step   slowest window   peak GiB   cold first step s")
 for variant in dict.fromkeys(r["variant"] for r in rows):
     per_round = {}
     for r in rows:
@@ -69,8 +87,10 @@ for variant in dict.fromkeys(r["variant"] for r in rows):
     ms = [statistics.mean(x["step_time_ms"] for x in rs) for rs in per_round.values()]
     slowest = min((x["mfu"] for rs in per_round.values() for x in rs if x.get("mfu")), default=float("nan"))
     peak = max(x["peak_memory_gib"] or 0 for rs in per_round.values() for x in rs)
+    first = [rs[0].get("first_step_s", float("nan")) for rs in per_round.values()]
     print(f"{variant:16} {len(ms):>6}  {statistics.median(mfu):.3f} ({min(mfu):.3f}-{max(mfu):.3f})"
-          f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}")
+          f"    {statistics.median(tok):>12,.0f}   {statistics.median(ms):8.1f}   {slowest:14.3f}   {peak:8.1f}"
+          f"   {statistics.median(first):.1f} ({min(first):.1f}-{max(first):.1f})")
 PY
 summary=$?
 shopt -s nullglob

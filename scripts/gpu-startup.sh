@@ -1,76 +1,92 @@
 #!/usr/bin/env bash
-# Where the seconds before the first step go, on one GPU. One cold launch compiles gpt2_small into
-# the runs' .compile-cache; then WARM (default 3) launches of 2 steps, each a fresh node (/tmp's
-# caches emptied; the .compile-cache beside the runs kept); then one run resumed from its
-# checkpoint on a fresh node (issue 35, part 3). Per launch: the start-up line (its phases), the
-# first step, launch to the end of the first step; then the worker's slowest imports.
-# SITE_B=<sed expression> adds a variant: a copy of the package with the expression applied to
-# its train.py, launched interleaved with the code as it is (A B B A ...), with A/B per pair.
-#   device run (kind nvidia-h200, carry .whl):  bash scripts/gpu-startup.sh
+# Launch -> first finished step on one GPU, for this tree's project against another commit's
+# (.bench-ref/ref, as gpt-compare.sh stages it), interleaved round by round. Each round and
+# variant has runs of its own, on a fresh node each launch (/tmp's caches emptied):
+#   cold    a new run, nothing cached anywhere (2 steps, a checkpoint at step 2);
+#   resched that run resumed, its storage kept: a rescheduled pod (to step 4);
+#   rerun   a new run dir beside it: the next run, finding the earlier one's caches.
+# Per launch: the start-up line's phases, the first step (its compile), launch -> first step
+# done. Rows in $OUT/startup.jsonl, table in $OUT/startup.log, the launches' logs in
+# $OUT/startup-logs.tgz.
+#   git archive <commit> --prefix=ref/ | tar -x -C .bench-ref    # here; .bench-ref/ is git-ignored
+#   device run (kind nvidia-h200, carry .whl and .bench-ref):  bash scripts/gpu-startup.sh
+# ROUNDS (default 2); OVERRIDES (default experiment=gpt2_small trainer.val_every=0); STOP_AFTER_S:
+# no launch starts after that many seconds of the script; LAUNCH_TIMEOUT (default 200 s).
 set -uo pipefail
+stop_after=${STOP_AFTER_S:-86400}
+repo=$PWD
 source "$(dirname "$0")/gpu-setup.sh"
-cd "$work"
-if [[ ${SITE_B:-} ]]; then
-  cp -r "$work/site" "$work/siteB"
-  sed -i "$SITE_B" "$work/siteB/ddp_project/train.py"
+variants=(new)
+declare -A paths=([new]=$PYTHONPATH)
+if [[ -f $repo/.bench-ref/ref/cookiecutter.json ]]; then
+  python3 -m cookiecutter "$repo/.bench-ref/ref" --no-input -o "$work/ref-render"
+  python3 -m pip install -q --no-deps --no-build-isolation --target "$work/ref-site" "$work/ref-render/ddp-project"
+  paths[ref]=$work/ref-site:${PYTHONPATH#"$work/site:"}
+  variants=(ref new)
 fi
-runs=/tmp/startup-runs
-rm -rf "$runs"
+cd "$work"
+logs=$work/logs
+mkdir -p "$logs"
+overrides=${OVERRIDES:-experiment=gpt2_small trainer.val_every=0}
 : >"$OUT/startup.jsonl"
-launch() {  # name site run-dir overrides...
-  local name=$1 site=$2 run=$3
-  shift 3
-  rm -rf /tmp/torchinductor_"$(id -un)" "$HOME/.triton/cache"
+launch() {  # variant round kind run-dir overrides...
+  local variant=$1 round=$2 kind=$3 run=$4
+  shift 4
+  local name=$variant-$round-$kind
+  if (( SECONDS > stop_after )); then
+    echo "STOP_AFTER_S=$stop_after: not starting $name"
+    return
+  fi
+  rm -rf /tmp/torchinductor_"$(id -un)" "$HOME/.triton/cache"  # a fresh node
   local began
   began=$(date +%s.%N)
-  PYTHONPATH=$site:$PYTHONPATH timeout 300 python3 -m ddp_project.launch train --standalone --nproc-per-node 1 \
-    experiment=gpt2_small trainer.val_every=0 "$@" hydra.run.dir="$run" >"$OUT/$name.log" 2>&1 \
-    || { echo "$name failed:"; tail -5 "$OUT/$name.log"; }
-  local ended
-  ended=$(date +%s.%N)
-  python3 - "$name" "$OUT/$name.log" "$began" "$ended" >>"$OUT/startup.jsonl" <<'PY'
-import json, re, sys, datetime
-name, log, began, ended = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+  # shellcheck disable=SC2086  # the overrides are words
+  PYTHONPATH=${paths[$variant]} timeout "${LAUNCH_TIMEOUT:-200}" python3 -m ddp_project.launch train --standalone \
+    --nproc-per-node 1 $overrides "$@" hydra.run.dir="$run" >"$logs/$name.log" 2>&1 \
+    || { echo "$name failed:"; tail -5 "$logs/$name.log"; }
+  python3 - "$name" "$logs/$name.log" "$began" >>"$OUT/startup.jsonl" <<'PY'
+import json, re, sys
+name, log, began = sys.argv[1], sys.argv[2], float(sys.argv[3])
 text = open(log).read()
 line = re.search(r"start-up ([\d.]+) s: (.*)", text)
-first = re.search(r"the first step took ([\d.]+) s", text)
+first = re.search(r"the first step took ([\d.]+) s \(([^)]*)\)", text)
 phases = dict((p.rsplit(" ", 2)[0], float(p.rsplit(" ", 2)[1])) for p in line[2].split(", ")) if line else {}
-print(json.dumps({"name": name, "start_up_s": float(line[1]) if line else None, "phases": phases,
-                  "first_step_s": float(first[1]) if first else None, "wall_s": ended - began,
+variant, round_, kind = name.split("-")
+print(json.dumps({"name": name, "variant": variant, "round": int(round_), "kind": kind,
+                  "start_up_s": float(line[1]) if line else None, "phases": phases,
+                  "first_step_s": float(first[1]) if first else None, "compile": first[2] if first else None,
                   "to_first_step_s": (float(line[1]) + float(first[1])) if line and first else None}))
 PY
-  grep -h "start-up\|first step took" "$OUT/$name.log" | sed "s/^.*INFO\] - /$name: /"
+  grep -h "start-up\|first step took" "$logs/$name.log" | sed "s/^.*INFO\] - /$name: /"
 }
-launch cold "$work/site" "$runs/cold" trainer.max_steps=2 trainer.checkpoint_every=0
-for i in $(seq "${WARM:-3}"); do
-  order=(A)
-  [[ ${SITE_B:-} ]] && order=(A B) && ((i % 2 == 0)) && order=(B A)
+for round in $(seq "${ROUNDS:-2}"); do
+  order=("${variants[@]}")
+  ((round % 2 == 0)) && order=($(printf '%s\n' "${variants[@]}" | tac))
   for v in "${order[@]}"; do
-    site=$work/site
-    [[ $v == B ]] && site=$work/siteB
-    launch "$v-$i" "$site" "$runs/$v-$i" trainer.max_steps=2 trainer.checkpoint_every=0
+    runs=/tmp/startup-runs/$v-$round
+    rm -rf "$runs"
+    launch "$v" "$round" cold "$runs/run" trainer.max_steps=2 trainer.checkpoint_every=2
+    launch "$v" "$round" resched "$runs/run" trainer.max_steps=4 trainer.checkpoint_every=0
+    launch "$v" "$round" rerun "$runs/rerun" trainer.max_steps=2 trainer.checkpoint_every=0
   done
 done
-# Part 3: a run with a checkpoint at step 2, resumed on a fresh node (nothing in /tmp).
-launch first "$work/site" "$runs/resumed" trainer.max_steps=2 trainer.checkpoint_every=2
-launch resume "$work/site" "$runs/resumed" trainer.max_steps=4 trainer.checkpoint_every=0
-# The worker's imports, slowest first (cumulative), as python -X importtime reports them.
-python3 -X importtime -c "import ddp_project.train" 2>"$OUT/importtime.txt" >/dev/null
-sort -t'|' -k2 -n -r "$OUT/importtime.txt" | head -25 >"$OUT/importtime-top.txt"
 python3 - "$OUT/startup.jsonl" <<'PY' | tee "$OUT/startup.log"
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("launch            start-up  launcher  imports  config  model  resume  first step  launch->first step done  compile")
 for r in rows:
-    print(f"{r['name']:7} start-up {r['start_up_s']} first step {r['first_step_s']} launch->first step end {r['to_first_step_s']} wall {r['wall_s']:.1f}")
-    print("        ", r["phases"])
-for v in "AB":
-    got = [r["to_first_step_s"] for r in rows if r["name"].startswith(v + "-") and r["to_first_step_s"]]
-    if got:
-        print(v, "launch->first step end: median", statistics.median(got), "range", min(got), max(got))
-a = {r["name"][2:]: r["to_first_step_s"] for r in rows if r["name"].startswith("A-")}
-b = {r["name"][2:]: r["to_first_step_s"] for r in rows if r["name"].startswith("B-")}
-ratios = [a[k] / b[k] for k in a if k in b and a[k] and b[k]]
-if ratios:
-    print("A/B per pair:", [round(x, 3) for x in ratios], "median", round(statistics.median(ratios), 3))
+    p = r["phases"]
+    print(f"{r['name']:17} {r['start_up_s'] or 0:8.1f} {p.get('launcher', 0):9.1f} {p.get('imports', 0):8.1f}"
+          f" {p.get('config', 0):7.1f} {p.get('model', 0):6.1f} {p.get('resume', 0):7.1f} {r['first_step_s'] or 0:11.1f}"
+          f" {r['to_first_step_s'] or 0:24.1f}  {r['compile']}")
+print("\nmedian (min-max) over rounds: launch -> first step done; the launcher phase")
+for kind in ("cold", "resched", "rerun"):
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        got = [r for r in rows if r["variant"] == variant and r["kind"] == kind and r["to_first_step_s"]]
+        if got:
+            total = [r["to_first_step_s"] for r in got]
+            launcher = [r["phases"].get("launcher", 0) for r in got]
+            print(f"{kind:8} {variant:4} {statistics.median(total):6.1f} ({min(total):.1f}-{max(total):.1f})"
+                  f"   launcher {statistics.median(launcher):4.1f} ({min(launcher):.1f}-{max(launcher):.1f})")
 PY
-cat "$OUT/importtime-top.txt"
+tar czf "$OUT/startup-logs.tgz" -C "$logs" .

@@ -368,3 +368,19 @@ def test_a_logger_that_cannot_start_ends_the_bench_in_one_line(tmp_path, not_mlf
     assert line.startswith("bench failed: ") and "Traceback" not in done.stderr
     assert f"config error: logger.mlflow: could not start ({not_mlflow}): " in line
     assert list(tmp_path.iterdir()) == []  # no figures: nothing was measured
+
+
+def test_the_first_step_of_two_fresh_processes_is_measured_cold_then_from_the_cache(tmp_path):
+    """Where the model compiles (a GPU), the bench reports what a rescheduled pod waits for:
+    the first step of a fresh process, cold, then from the cache the first one filled. On a CPU
+    nothing compiles; the two launches still run the path the GPU takes."""
+    args = argparse.Namespace(overrides=["trainer.compile=true"], timeout_s=240)
+    first = bench.first_steps(args)
+    assert list(first) == ["cold", "from_cache"]
+    for step in first.values():
+        assert step["compiled"] is None  # eager on a CPU
+        assert 0 < step["seconds"] <= step["after_launch_s"]
+    report = {**bench.figures(result(times([10.0], [8.0], [16.0], [10.0]))), **HEADER}
+    table = bench.render({**report, "first_step": first})
+    assert "the first step of a fresh process on 1 GPU (and from the process's start):" in table
+    assert f"  from cache: {first['from_cache']['seconds']:.1f} s" in table

@@ -1,17 +1,27 @@
 """torch.compile's watch on recompiles, on a CPU: dynamo with its "eager" backend compiles graphs
 (and recompiles them) as on a GPU, without inductor's C++ compiler, which CI may lack."""
 
+import json
 import logging
+import os
+import subprocess
+import textwrap
+from collections import Counter
 from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import launch_command
 from omegaconf import OmegaConf
 
 # The options' builders, as train imports them.
 import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
+from ddp_project.core import caches
 from ddp_project.core.world import World
+from ddp_project.model import Gpt, Mlp
 from ddp_project.run import compilation
 from ddp_project.run.trainer import Trainer
 
@@ -21,7 +31,8 @@ def compiled_on_cpu(monkeypatch):
     monkeypatch.setattr(compilation, "compiles", lambda cfg, device: cfg.trainer.compile)
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    monkeypatch.setenv(compilation.CACHE_VAR, "")  # the Trainer sets it: undone after the test
+    monkeypatch.setenv(caches.CACHE_VAR, "")  # the Trainer sets it: undone after the test
+    monkeypatch.setenv(caches.CHOICE_VAR, "")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -120,12 +131,27 @@ def test_the_compile_caches_live_beside_the_run_dir_unless_the_user_chose_theirs
     """A pod rescheduled to a fresh node, and the next run, find them on the runs' storage, not
     in the node's /tmp; inductor reads the variable itself, so it must be set, not returned."""
     env = {}
+    caches.record_users_choice(env)
     cache = tmp_path / ".compile-cache"
-    assert compilation.keep_caches_in(tmp_path / "2026-12-03_07-00-00_abc123", env) == cache
-    assert env == {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    theirs = {"TORCHINDUCTOR_CACHE_DIR": "/cache"}
-    assert compilation.keep_caches_in(tmp_path, theirs) is None
-    assert theirs == {"TORCHINDUCTOR_CACHE_DIR": "/cache"}
+    assert caches.keep_caches_in(tmp_path / "2026-12-03_07-00-00_abc123", env) == cache
+    assert env[caches.CACHE_VAR] == str(cache)
+    theirs = {caches.CACHE_VAR: "/cache"}
+    caches.record_users_choice(theirs)
+    assert caches.keep_caches_in(tmp_path, theirs) == Path("/cache")
+    assert theirs[caches.CACHE_VAR] == "/cache"
+
+
+def test_the_default_torch_writes_after_the_launch_began_is_not_taken_for_the_user_s(tmp_path):
+    """Inductor writes /tmp/torchinductor_<user> into the variable the first time anything asks
+    it for its directory (importing dynamo does): the choice recorded at the launch's start
+    holds, in the launcher and in its workers, which inherit the record."""
+    launcher_env = {}
+    caches.record_users_choice(launcher_env)  # at the command's entry, before torch
+    launcher_env[caches.CACHE_VAR] = "/tmp/torchinductor_root"  # what inductor writes later
+    worker_env = dict(launcher_env)
+    caches.record_users_choice(worker_env)  # the worker's entry keeps its launcher's record
+    run_dir = tmp_path / "outputs" / "run"
+    assert caches.keep_caches_in(run_dir, worker_env) == tmp_path / "outputs" / ".compile-cache"
 
 
 def test_inductor_reads_its_cache_dir_from_the_variable_as_keep_caches_in_sets_it(
@@ -136,3 +162,109 @@ def test_inductor_reads_its_cache_dir_from_the_variable_as_keep_caches_in_sets_i
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
     assert cache_dir() == str(tmp_path / "compile-cache")
+
+
+# Installed as sitecustomize in the launch: each worker, at each optimizer step, records the
+# directory inductor's own function names, as it would compile into at that moment.
+RECORD_CACHE_DIR = textwrap.dedent(
+    """
+    import json, os
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def _record(optimizer, args, kwargs):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        if "LOCAL_RANK" in os.environ:  # a worker, not the launcher
+            path = os.path.join(os.environ["CACHE_DIR_RECORDS"], f"rank{os.environ['RANK']}.json")
+            with open(path, "w") as out:
+                json.dump(cache_dir(), out)
+
+    register_optimizer_step_post_hook(_record)
+    """
+)
+
+
+def test_every_worker_of_a_launch_compiles_into_the_cache_beside_its_runs(tmp_path):
+    """Through the real launcher, 2 processes: what inductor would use in each worker is
+    <runs>/.compile-cache, whatever the launcher's own checks made torch write first."""
+    hook, records = tmp_path / "hook", tmp_path / "records"
+    hook.mkdir()
+    records.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORD_CACHE_DIR)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in (caches.CACHE_VAR, caches.CHOICE_VAR)
+    }
+    env |= {"PYTHONPATH": f"{hook}:{env.get('PYTHONPATH', '')}", "CACHE_DIR_RECORDS": str(records)}
+    done = subprocess.run(
+        launch_command(
+            "--nproc-per-node",
+            "2",
+            "trainer.max_steps=2",
+            "trainer.compile=true",
+            "hydra.run.dir=runs/run",
+        ),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((records / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [str(tmp_path / "runs" / ".compile-cache")] * 2
+
+
+def tiny_gpt(layers: int) -> Gpt:
+    return Gpt(
+        SimpleNamespace(n_layer=layers, n_head=2, d_model=16),
+        SimpleNamespace(seq_len=8, vocab_size=32),
+    )
+
+
+def test_a_gpt_compiles_its_repeated_blocks_in_place_and_an_mlp_compiles_whole():
+    """Regional compilation: each transformer block compiled in place (the same names, the
+    same module objects), the embeddings and head around them eager; an MLP, whose layers
+    are single Linears, in one graph."""
+    gpt = tiny_gpt(3)
+    names = list(gpt.state_dict())
+    assert compilation.repeated_blocks(gpt) == list(gpt.blocks)
+    forward = compilation.compiled_forward(gpt, gpt)
+    assert forward is gpt and list(gpt.state_dict()) == names
+    assert all(block._compiled_call_impl is not None for block in gpt.blocks)
+    assert gpt._compiled_call_impl is None and gpt.head._compiled_call_impl is None
+    mlp = Mlp(
+        SimpleNamespace(hidden_dim=8, depth=2), SimpleNamespace(num_features=4, num_classes=3)
+    )
+    assert compilation.repeated_blocks(mlp) == []
+    assert isinstance(
+        compilation.compiled_forward(mlp, mlp), torch._dynamo.eval_frame.OptimizedModule
+    )
+
+
+def test_a_gpt_s_blocks_compile_into_one_graph_for_all_of_them(compiled_on_cpu):
+    """Dynamo compiles the block's code once and reuses it for every block of the same shapes:
+    the cold compile of one block, not of the whole model."""
+    torch.manual_seed(0)
+    gpt = tiny_gpt(4)
+    eager = tiny_gpt(4)
+    eager.load_state_dict(gpt.state_dict())
+    gpt = compilation.compiled_forward(gpt, gpt)
+    tokens = torch.randint(0, 32, (2, 8))
+    before = compilation._graphs()  # dynamo counts for the whole process
+    assert torch.equal(gpt(tokens), eager(tokens))
+    assert compilation._graphs() - before == 1
+
+
+def test_the_first_step_s_line_says_whether_the_cache_had_its_graphs(monkeypatch, tmp_path):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=3))
+    assert compilation.cache_report(tmp_path) == f"cache hit, {tmp_path}"
+    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_miss=3))
+    assert compilation.cache_report(tmp_path).startswith(
+        f"cold: nothing cached for torch {torch.__version__} / CPU / this model; cached now in"
+    )
+    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=1, fxgraph_cache_miss=2))
+    assert compilation.cache_report(tmp_path) == f"1 of 3 graphs from the cache, {tmp_path}"

@@ -470,14 +470,14 @@ def test_a_stop_before_torchrun_starts_is_one_line_and_leaves_nothing(
     """SIGTERM while the launcher composed the config killed it silently (exit -15), leaving
     the run dir it had made to check it."""
     monkeypatch.chdir(tmp_path)
-    real = launcher.check.compose_and_check
+    real = launcher.check.compose_train
 
-    def signalled(overrides, **kwargs):
-        config = real(overrides, **kwargs)
+    def signalled(overrides, folder):
+        composed = real(overrides, folder)
         os.kill(os.getpid(), signum)  # the handler raises here, as at any point of the check
-        return config
+        return composed
 
-    monkeypatch.setattr(launcher.check, "compose_and_check", signalled)
+    monkeypatch.setattr(launcher.check, "compose_train", signalled)
     no_torchrun(monkeypatch)
     code = launcher.main(["train", "--nproc-per-node", "1", "hydra.run.dir=run"])
     assert code == 128 + signum
@@ -491,14 +491,14 @@ def test_the_launcher_removes_only_empty_dirs_it_made_to_check(tmp_path, monkeyp
     """With several nodes on one file system, another node's workers may write into the run dir
     while this launcher checks it: what they wrote stays."""
     monkeypatch.chdir(tmp_path)
-    real = launcher.rundir.problem
+    real = launcher.rundir.launch_problem
 
-    def another_node_writes(run_dir, config, world, busy=True):
-        found = real(run_dir, config, world, busy)
+    def another_node_writes(run_dir, busy=True):
+        found = real(run_dir, busy)
         (run_dir / "train.log").write_text("node 1's line\n")
         return found
 
-    monkeypatch.setattr(launcher.rundir, "problem", another_node_writes)
+    monkeypatch.setattr(launcher.rundir, "launch_problem", another_node_writes)
     monkeypatch.setattr(launcher, "run", lambda parsed: None)
     args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:1"]
     assert launcher.main(["train", *args, "hydra.run.dir=out/run"]) == 0

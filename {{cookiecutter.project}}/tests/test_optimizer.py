@@ -7,14 +7,14 @@ import sys
 
 import pytest
 import torch
-from conftest import PACKAGE
+from conftest import PACKAGE, launch
 from omegaconf import OmegaConf
 
 import ddp_project.data  # noqa: F401
 import ddp_project.model  # noqa: F401
 from ddp_project.config.compose import config_problem
 from ddp_project.config.error import ConfigError
-from ddp_project.config.optimizer import check_optimizer, upgraded
+from ddp_project.config.optimizer import check_optimizer, try_optimizer, upgraded
 from ddp_project.core.world import World
 from ddp_project.run import rundir
 from ddp_project.run.trainer import Trainer
@@ -140,12 +140,31 @@ def test_each_bad_optimizer_ema_or_patience_key_is_one_line(overrides, line):
 
 
 def test_a_keyword_only_a_gpu_takes_passes_for_workers_on_gpus(compose_train):
-    """capturable=true fails a step on the CPU, not on a GPU: the launcher, which must not hold a
-    GPU itself, leaves that to the workers' first step."""
+    """capturable=true fails a step on the CPU, not on a GPU: a worker on a GPU leaves that to
+    its first step, rather than hold the GPU for a trial."""
     cfg = OmegaConf.to_object(compose_train("+optimizer.kwargs.capturable=true"))
-    check_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=True)
+    try_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=True)
     with pytest.raises(ConfigError, match="fails a step on the CPU"):
-        check_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=False)
+        try_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=False)
+
+
+def test_the_launcher_checks_the_keywords_without_building_the_optimizer(compose_train):
+    """Building one imports dynamo (seconds): the launcher checks what the class takes, each
+    worker what it accepts, as its first line."""
+    cfg = OmegaConf.to_object(compose_train("optimizer=sgd", "optimizer.kwargs.momentum=-1"))
+    check_optimizer(cfg.optimizer)
+    with pytest.raises(ConfigError, match="refuses its keywords: Invalid momentum value: -1"):
+        try_optimizer(cfg.optimizer, cfg.trainer.lr, on_cuda=False)
+
+
+def test_a_value_the_class_refuses_ends_the_launch_in_the_workers_first_line(tmp_path):
+    """Through the real launcher: one line, exit 2, no run dir."""
+    done = launch(tmp_path, "optimizer=sgd", "optimizer.kwargs.momentum=-1", "hydra.run.dir=run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        "config error: optimizer: torch.optim.SGD refuses its keywords: Invalid momentum value: -1"
+    ]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_other_optimizers_and_their_keywords_pass():

@@ -61,6 +61,14 @@ def launcher_refusal(cwd, monkeypatch, capsys, *overrides: str) -> tuple[int, st
     return code, capsys.readouterr().err
 
 
+def resume_refusal(cwd, *overrides: str) -> tuple[int, str]:
+    """`<project> train --nproc-per-node 1 <overrides>` refusing a resume: the worker's first
+    line (the launcher does not read checkpoints: their formats are a worker's imports), with
+    the launcher adding nothing: (the exit code, stderr)."""
+    done = launch(cwd, "--nproc-per-node", "1", *overrides)
+    return done.returncode, done.stderr
+
+
 def one_line(done: subprocess.CompletedProcess) -> str:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr[-3000:]
@@ -68,11 +76,7 @@ def one_line(done: subprocess.CompletedProcess) -> str:
 
 
 def snapshot(run_dir) -> dict:
-    return {
-        p.relative_to(run_dir): p.read_bytes()
-        for p in run_dir.rglob("*")
-        if p.is_file() and p.name != ".lock"
-    }
+    return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
 
 @pytest.mark.slow  # a second launch while the first trains
@@ -145,14 +149,10 @@ def trained(trained_once, tmp_path):
     return tmp_path
 
 
-def test_a_resume_that_would_change_results_is_refused_listing_every_difference(
-    trained, monkeypatch, capsys
-):
+def test_a_resume_that_would_change_results_is_refused_listing_every_difference(trained):
     before = snapshot(trained / "run")
-    code, said = launcher_refusal(
+    code, said = resume_refusal(
         trained,
-        monkeypatch,
-        capsys,
         "trainer.max_steps=20",
         "trainer.seed=1",
         "data.batch_size=64",
@@ -236,12 +236,10 @@ def test_an_accept_list_naming_no_key_is_refused(trained, monkeypatch, capsys):
     )
 
 
-def test_a_resume_under_other_options_is_refused_naming_both(trained, monkeypatch, capsys):
+def test_a_resume_under_other_options_is_refused_naming_both(trained):
     before = snapshot(trained / "run")
-    code, said = launcher_refusal(
+    code, said = resume_refusal(
         trained,
-        monkeypatch,
-        capsys,
         "trainer.max_steps=20",
         "model=gpt",
         "data=tokens",
@@ -331,19 +329,12 @@ def test_an_unusable_run_dir_is_one_line(tmp_path, monkeypatch, capsys, make, me
         assert not (tmp_path / "outputs").exists()
 
 
-def test_a_resume_below_the_checkpoints_step_is_refused_before_any_process_starts(
-    trained, monkeypatch, capsys
-):
-    """trainer.max_steps=5 on a run at step 10 ended at once, looking resumed. In this process:
-    the launcher refuses it before torchrun starts."""
-    monkeypatch.chdir(trained)
-    no_torchrun(monkeypatch)
+def test_a_resume_below_the_checkpoints_step_is_refused_before_any_step(trained):
+    """trainer.max_steps=5 on a run at step 10 ended at once, looking resumed."""
     before = snapshot(trained / "run")
-    code = launcher.main(
-        ["train", "--nproc-per-node", "1", "trainer.max_steps=5", "hydra.run.dir=run"]
-    )
+    code, said = resume_refusal(trained, "trainer.max_steps=5", "hydra.run.dir=run")
     assert code == 2
-    assert capsys.readouterr().err.splitlines() == [
+    assert said.splitlines() == [
         "config error: trainer.max_steps=5 is below step 10 of the checkpoint in run "
         "(step_000000010.pt): raise trainer.max_steps, or choose another hydra.run.dir"
     ]
@@ -375,15 +366,14 @@ def test_the_launcher_refuses_a_run_dir_another_process_holds(tmp_path):
     (tmp_path / "run").mkdir()
     try:
         holder.stdout.readline()
-        config = check.compose_and_check([])
-        problem = rundir.problem(tmp_path / "run", config, World())
-        free = rundir.problem(tmp_path / "run", config, World(), busy=False)
+        problem = rundir.launch_problem(tmp_path / "run")
+        free = rundir.launch_problem(tmp_path / "run", busy=False)
     finally:
         holder.kill()
         holder.wait()
     assert problem.startswith(f"hydra.run.dir={tmp_path / 'run'}: in use by pid {holder.pid}")
     assert free is None  # several nodes: the workers' guard decides
-    assert rundir.problem(tmp_path / "run", config, World()) is None  # its holder is gone
+    assert rundir.launch_problem(tmp_path / "run") is None  # its holder is gone
 
 
 @pytest.mark.parametrize(

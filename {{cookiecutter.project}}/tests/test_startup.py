@@ -1,5 +1,6 @@
 """The start-up line: where a launch's seconds went before its first step."""
 
+import re
 import subprocess
 import sys
 
@@ -78,3 +79,9 @@ def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
         "resume",
         "the loop's set-up",
     ]
+    # The goodput line says when the first step was done: after the start-up, from the launch.
+    start_up = float(re.search(r"start-up ([\d.]+) s:", line)[1])
+    done_at = re.search(
+        r"goodput .*; the first step done ([\d.]+) s after launch$", done.stdout, re.M
+    )
+    assert done_at and float(done_at[1]) >= start_up, done.stdout[-3000:]

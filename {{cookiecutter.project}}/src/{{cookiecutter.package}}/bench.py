@@ -21,6 +21,9 @@ NCCL settings. Then, on every process, what the config's checkpoints and validat
 ~10 s of steps if that is longer, for 3 of them, each charged
 what its log rows say it held training up), and the steady-state goodput that makes at the
 config's own cadence: step time over step time plus that cost spread over the steps between.
+Where the model compiles (trainer.compile on a GPU), also the first step of a fresh one-GPU
+process, twice: cold, then from the compile cache the first one filled, as a rescheduled pod
+finds it beside its runs.
 It prints a table and writes every figure as JSON (--json).
 """  # noqa: E501
 
@@ -261,6 +264,21 @@ def whole_windows(steps: int, window: int) -> int:
     return -(-steps // window) * window
 
 
+def first_step_worker(overrides: list[str], scratch: Path) -> None:
+    """One process's first step of the template's loop, in a run dir of `scratch`, whose compile
+    cache (<scratch>/.compile-cache) an earlier call may have filled."""
+    world = World.from_env()
+    cfg = check.compose_and_check(overrides, world=world)
+    once = replace(cfg.trainer, max_steps=1, checkpoint_every=0, val_every=0)
+    device = process_group.select_device(uses_cuda(cfg.dist.backend), world)
+    with process_group.initialized(world, device, timeout_s=cfg.dist.timeout_s):
+        run_dir = scratch / f"first-step-{time.time_ns()}"
+        run_dir.mkdir()
+        trainer = Trainer(replace(cfg, trainer=once), world, device, run_dir)
+        trainer.train()
+        print("BENCH " + json.dumps(trainer.first_step._asdict()), flush=True)
+
+
 def worker(overrides: list[str], scratch: Path, pairs: int, warmup: int, steps: int) -> None:
     world = World.from_env()
     cfg = timed(check.compose_and_check(overrides, world=world))
@@ -471,6 +489,17 @@ def render(report: dict) -> str:
             f"steady-state goodput at this config's cadence on {on(n)}: {report['goodput']:.3f} "
             f"({'; '.join(costs)}; measured every {cadence['between_steps']} steps)",
         ]
+    first = report.get("first_step")
+    if first:
+        lines += [
+            "",
+            "the first step of a fresh process on 1 GPU (and from the process's start):",
+            *(
+                f"  {when.replace('_', ' ')}: {step['seconds']:.1f} s "
+                f"({step['after_launch_s']:.1f} s), {step['compiled']}"
+                for when, step in first.items()
+            ),
+        ]
     lines += [f"noise: {note}" for note in report["noise"]]
     return "\n".join(lines)
 
@@ -480,29 +509,44 @@ def render(report: dict) -> str:
 
 def run_workers(args: argparse.Namespace, nproc: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            f"{PACKAGE}.bench",
-            "--worker",
-            scratch,
+        timing = [
             "--pairs",
             str(args.pairs),
             "--warmup",
             str(args.warmup),
             "--steps",
             str(args.steps),
-            *args.overrides,
         ]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise BenchFailed(f"no result within {args.timeout_s:g} s") from None
+        return launched(args, nproc, ["--worker", scratch, *timing])
+
+
+def first_steps(args: argparse.Namespace) -> dict:
+    """A compiling run's first step in a fresh process on one GPU, cold (an empty cache), then
+    from the cache the first one filled: what a rescheduled pod waits for, with and without the
+    cache beside its runs."""
+    with tempfile.TemporaryDirectory(prefix="bench-first-step-") as scratch:
+        cold = launched(args, 1, ["--first-step", scratch])
+        return {"cold": cold, "from_cache": launched(args, 1, ["--first-step", scratch])}
+
+
+def launched(args: argparse.Namespace, nproc: int, worker: list[str]) -> dict:
+    """The workers under torchrun, with `worker`'s arguments: the result line of rank 0."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        f"{PACKAGE}.bench",
+        *worker,
+        *args.overrides,
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BenchFailed(f"no result within {args.timeout_s:g} s") from None
     found = RESULT_LINE.search(done.stdout)
     if done.returncode != 0 or not found:
         raise BenchFailed(f"exit {done.returncode}: {root_cause(done.stdout + done.stderr)}")
@@ -546,10 +590,14 @@ def main() -> int:
     )
     parser.add_argument("--timeout-s", type=seconds, default=1800, help="for the whole launch")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # its scratch dir
+    parser.add_argument("--first-step", type=Path, help=argparse.SUPPRESS)  # its scratch dir
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train")
     args = parser.parse_args()
     if args.worker:
         worker(args.overrides, args.worker, args.pairs, args.warmup, args.steps)
+        return Exit.OK
+    if args.first_step:
+        first_step_worker(args.overrides, args.first_step)
         return Exit.OK
     problem = unwritable(args.json)
     if problem:
@@ -558,11 +606,14 @@ def main() -> int:
         )
     nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     try:  # as the workers will see it
-        check.compose_and_check(args.overrides, world=World(size=nproc, local_size=nproc))
+        cfg = check.compose_and_check(args.overrides, world=World(size=nproc, local_size=nproc))
     except check.CONFIG_ERRORS as err:
         return check.refused(err)
     try:
         report = figures(run_workers(args, nproc))
+        # Only a compile makes a first step long; on a CPU nothing compiles.
+        if compilation.compiles(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+            report["first_step"] = first_steps(args)
     except BenchFailed as failure:
         print(f"bench failed: {failure}", file=sys.stderr)
         return Exit.FAILED

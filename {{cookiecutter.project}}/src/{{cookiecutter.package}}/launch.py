@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from . import PACKAGE, PROJECT
+from .core import caches
 from .core.exits import Exit, for_signal
 
 
@@ -66,6 +67,7 @@ TIMER_SOURCE = os.path.join("elastic", "rendezvous", "utils.py")
 # the workers start with the environment as it was.
 QUIET_CPP_LOG = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if __name__ == "__main__" or Path(sys.argv[0]).name == PROJECT:  # the command, not an import
+    caches.record_users_choice()  # before torch, which may write its own default
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stopped_while_starting)
     sys.unraisablehook = timer_joined_from_itself
@@ -94,6 +96,7 @@ from torch.distributed.run import get_args_parser, run
 from .config import compose as check
 from .config.error import ConfigError
 from .config.schema import TrainConfig
+from .config.validate import check_composed
 from .core.world import LAUNCHED_AT_VAR, RUN_NAME_VAR, World, launched_at, run_name_for
 from .launcher.run_dir_plan import (
     explicit_run_dir,
@@ -309,17 +312,21 @@ class Planned(NamedTuple):
 
 
 def checked(overrides: list[str], world: World) -> tuple[TrainConfig, Path | None, Path | None]:
-    """The config the workers will compose, checked for the launch `world`, and its run dir: the
-    dir's lock and resume checked too, where this node can tell. Raises CONFIG_ERRORS."""
-    config = check.compose_and_check(overrides, world=world)
+    """The config the workers will compose, composed once and checked for the launch `world`,
+    and its run dir: whether it can be made and written, and its lock, where this node can tell.
+    What needs a worker's imports (a resume's checkpoint, an optimizer built and stepped) the
+    workers check, as their first line. Raises CONFIG_ERRORS."""
+    composed = check.compose_train(overrides, None)
+    config = check_composed(composed, world)
+    check.check_loggers(config)
     one_node = world.size == world.local_size
     # With several nodes, the default dir's name is the rendezvous's: only an explicit one is known.
-    run_dir = planned_run_dir(overrides) if one_node else explicit_run_dir(overrides)
+    run_dir = planned_run_dir(composed) if one_node else explicit_run_dir(overrides)
     made_here = run_dir is not None and not rundir.present(run_dir)
     new = new_part(run_dir) if made_here else None  # outputs/ too, on a first run
     # With several nodes, node 0's rank 0 may hold the run dir's lock already: the workers' own
     # guard decides then.
-    problem = rundir.problem(run_dir, config, world, busy=one_node) if run_dir else None
+    problem = rundir.launch_problem(run_dir, busy=one_node) if run_dir else None
     if new:  # made to check it: the workers make it (a stop before they do leaves none)
         remove_empty(run_dir, new)  # empty only: another node's workers may be writing there
     if problem:

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from .core import caches
 from .core.exits import for_signal
 from .core.world import World
 
@@ -38,6 +39,7 @@ def stopped_while_importing(signum: int, frame: object) -> NoReturn:
 
 
 if __name__ == "__main__":  # the command (tests import this module)
+    caches.record_users_choice()  # before torch, which may write its own default
     for signum in STARTING_STOPS:
         signal.signal(signum, stopped_while_importing)
     # The launcher starts its workers with these held (launch.HELD_FOR_WORKERS): one that came
@@ -67,7 +69,7 @@ from .nccl import decision as nccl
 from .nccl import failfast, process_group
 from .record import metrics
 from .record.startup import Timeline
-from .run import checkpoint, compilation, profiling, rundir, stopping
+from .run import checkpoint, profiling, rundir, stopping
 from .run.nccl_env import apply_nccl_env
 from .run.trainer import Trainer
 
@@ -151,9 +153,7 @@ def main_worker(
     None."""
     timeline = Timeline(IMPORTED_AT)
     timeline.mark("config")  # Hydra's composing and the checks
-    cuda = uses_cuda(cfg.dist.backend)  # decided once: the device, compiling, the start-up line
-    compiling = cfg.trainer.compile and cuda  # compilation.compiles
-    cache = compilation.keep_caches_in(run_dir) if compiling else None
+    cuda = uses_cuda(cfg.dist.backend)  # decided once: the device, the start-up line
     signals = stopping.SIGNALS  # installed in __main__: until the steps run, a stop is at once
     signals.run_dir = run_dir
     try:
@@ -197,8 +197,6 @@ def main_worker(
                 )
                 if device.type == "cpu":
                     report_cpu_settings(cfg)
-                if cache:
-                    log.info("torch.compile caches: %s (a relaunch compiles from them)", cache)
                 rundir.keep_tokenizer(run_dir, cfg)  # generate reads it; a resume compares it
             control = process_group.control_group(world, cfg.dist.checkpoint_timeout_s)
             timeline.mark("process group")  # its rendezvous, the gate all-reduce, the CPU group

@@ -27,12 +27,12 @@ from .. import PACKAGE
 from ..core.exits import Exit, exit_with_error
 from ..core.suggest import did_you_mean
 from ..core.world import World
-from . import logger_probes
+from . import logger_probes, optimizer
 from .error import ConfigError
 from .loggers import LoggersConfig
 from .overrides import configs_folder, hydra_overrides, yaml_problem
 from .registry import stored_options
-from .schema import TrainConfig, register_configs
+from .schema import TrainConfig, register_configs, uses_cuda
 from .validate import check_composed
 
 
@@ -111,6 +111,7 @@ def compose_and_check(
     config = check_composed(composed, world or World.from_env(), this_node=this_node)
     if this_node:
         check_loggers(config)
+        try_optimizer(config)
     return config
 
 
@@ -171,6 +172,13 @@ def unchosen_logger(overrides: list[str]) -> str | None:
 def check_loggers(config: TrainConfig) -> None:
     """The chosen loggers' packages, and MLflow's server, as this machine finds them."""
     logger_probes.check(config.logger, timeout_s=min(logger_probes.PROBE_S, config.dist.timeout_s))
+
+
+def try_optimizer(config: TrainConfig) -> None:
+    """The optimizer built (and on CPU workers stepped) once with its keywords: in a command or a
+    worker, where dynamo, which building one imports, is imported anyway (the launcher checks
+    only what needs no instance)."""
+    optimizer.try_optimizer(config.optimizer, config.trainer.lr, uses_cuda(config.dist.backend))
 
 
 CONFIG_ERRORS = (ConfigError, HydraException, OmegaConfBaseException)
@@ -248,6 +256,7 @@ class ConfigCheck(Callback):
         try:
             config = check_composed(composed, self.world)
             check_loggers(config)
+            try_optimizer(config)
         except CONFIG_ERRORS as err:
             exit_with_error(f"config error: {describe(err)}", self.world)
         return config

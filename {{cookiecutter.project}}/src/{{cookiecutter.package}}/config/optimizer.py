@@ -1,6 +1,7 @@
 """What the optimizer group's keys mean: the class optimizer._target_ names and the keywords it is
 built with, checked before any process starts (validate.check_composed, on the node that trains:
-rendering k8s/ needs no torch), one line per refusal. run/optimizer.py builds it."""
+rendering k8s/ needs no torch), then tried by each worker (try_optimizer), one line per refusal.
+run/optimizer.py builds it."""
 
 from __future__ import annotations
 
@@ -82,12 +83,9 @@ def keywords(cfg: OptimizerConfig) -> dict[str, Any]:
     return {key: value for key, value in given.items() if value is not None} | dict(cfg.kwargs)
 
 
-def check_optimizer(cfg: OptimizerConfig, lr: float, on_cuda: bool) -> None:
-    """The class exists, takes every keyword given, and accepts their values (built once on a
-    one-element tensor: the class's own checks, momentum < 0 say, as one line). For workers on
-    the CPU it takes a step too: some checks wait for one (capturable=true needs a GPU)."""
-    import torch
-
+def check_optimizer(cfg: OptimizerConfig) -> None:
+    """The class exists and takes every keyword given, of the kind its defaults are. What the
+    class itself refuses, try_optimizer finds."""
     cls = optimizer_class(cfg._target_)
     taken = accepted_keywords(cls)
     for key in cfg.kwargs:
@@ -113,6 +111,16 @@ def check_optimizer(cfg: OptimizerConfig, lr: float, on_cuda: bool) -> None:
             f"optimizer.weight_decay={cfg.weight_decay}: {cfg._target_} has no weight decay; "
             "set it to 0"
         )
+
+
+def try_optimizer(cfg: OptimizerConfig, lr: float, on_cuda: bool) -> None:
+    """The class accepts the keywords' values: built once on a one-element tensor (the class's
+    own checks, momentum < 0 say, as one line). For workers on the CPU it takes a step too: some
+    checks wait for one (capturable=true needs a GPU). In the workers, not the launcher: building
+    an optimizer imports dynamo, seconds a launch would pay twice."""
+    import torch
+
+    cls = optimizer_class(cfg._target_)
     trial = [torch.zeros(1, requires_grad=True)]
     decay = {"weight_decay": cfg.weight_decay} if takes(cls, "weight_decay") else {}
     try:

@@ -187,7 +187,7 @@ def check_composed(
         check_profile_name(config.nccl, chosen)
     if this_node:  # rendering k8s/ imports no torch: the pods' launcher checks these
         check_devices(config, world)
-        check_optimizer(config.optimizer, config.trainer.lr, uses_cuda(config.dist.backend))
+        check_optimizer(config.optimizer)
     check_data(config, world, held_out)
     check_combinations(config)
     check_accept_changes(config)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
 
-from ..config import compose as check
 from ..config.error import ConfigError
-from ..config.overrides import hydra_overrides
-from ..config.schema import register_configs
-from ..run import checkpoint, rundir
+from ..run import rundir
+from ..run.layout import checkpoint_paths
 
 
 def explicit_run_dir(overrides: list[str]) -> Path | None:
@@ -33,16 +31,12 @@ def explicit_run_dir(overrides: list[str]) -> Path | None:
     return None
 
 
-def planned_run_dir(overrides: list[str]) -> Path | None:
-    """The run dir the workers will use, as Hydra composes it (the launcher named the run), or
-    None where it cannot tell. An empty one raises ConfigError."""
+def planned_run_dir(composed: DictConfig) -> Path | None:
+    """The run dir the workers will use, from the config as the launcher composed it (with its
+    hydra node; the launcher named the run), or None where it cannot tell. An empty one raises
+    ConfigError."""
     try:
-        register_configs()
-        with check.configs_at(None):
-            cfg = compose(
-                config_name="train", overrides=hydra_overrides(overrides), return_hydra_config=True
-            )
-        value = cfg.hydra.run.dir
+        value = composed.hydra.run.dir
     except Exception:  # an interpolation only a worker can resolve: the workers' guard decides
         return None
     problem = rundir.empty(value, "hydra.run.dir")
@@ -74,7 +68,7 @@ def of_value(run_dir: Path) -> bool:
     """Whether a run dir holds anything a run made: a checkpoint, a metrics row, or a
     logger's files (TensorBoard, W&B, MLflow) written before the first row; not the start-up log."""
     rows = run_dir / "metrics.jsonl"
-    if checkpoint.checkpoint_paths(run_dir) or (rows.exists() and rows.stat().st_size > 0):
+    if checkpoint_paths(run_dir) or (rows.exists() and rows.stat().st_size > 0):
         return True
     made_at_start = {
         ".hydra",

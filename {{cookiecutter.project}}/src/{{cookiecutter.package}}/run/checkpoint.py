@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -38,11 +37,9 @@ from ..core.files import PARTIAL, sync_directory
 from ..core.world import World
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
 from . import checkpoint_dcp, oom
+from .layout import BEST, BEST_DCP, NAME, checkpoint_paths, step_of  # noqa: F401 - theirs too
 
 log = logging.getLogger(__name__)
-NAME = re.compile(r"step_(\d{9})\.(pt|dcp)")
-BEST = "best.pt"  # trainer.keep_best's: not a step_ name, so no resume or keep policy touches it
-BEST_DCP = "best.dcp"  # best.pt's in the DCP format
 REQUIRED = {"step", "model", "optimizer", "data"}
 
 
@@ -102,21 +99,6 @@ def causes(err: BaseException) -> Iterator[BaseException]:
         seen.add(id(err))
         yield err
         err = err.__cause__ or err.__context__
-
-
-def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """Files named as checkpoints in the run dir, oldest step first; readable or not."""
-    directory = run_dir / "checkpoints"
-    found = (
-        [p for p in directory.glob("step_*") if NAME.fullmatch(p.name)]
-        if directory.is_dir()
-        else []
-    )
-    return sorted(found, key=lambda path: (step_of(path), path.suffix == ".pt"))
-
-
-def step_of(path: Path) -> int:
-    return int(NAME.fullmatch(path.name).group(1))
 
 
 def write_atomically(state: dict[str, Any], path: Path) -> None:

@@ -37,7 +37,6 @@ from ..config.validate import check_composed, unrecorded
 from ..core.exits import exit_with_error
 from ..core.files import write_atomically
 from ..core.world import World
-from . import checkpoint
 
 LOCK = ".lock"
 # A holder on another host (a pod on its way out while its replacement starts) gets this long.
@@ -233,6 +232,8 @@ def resume_problem(
 ) -> str | None:
     """A resume whose config would change results, or that would train no step, as one line,
     or None. `world`: the launch that would resume (its size makes the global batch)."""
+    from . import checkpoint  # the formats (DCP, DTensor): a worker's, not the launcher's
+
     key, shown = place or Place.run(run_dir)
     found = checkpoint.newest_readable(run_dir, mmap=True)
     if found is None:
@@ -345,14 +346,15 @@ def option_problem(
     return None
 
 
-def problem(run_dir: Path, config: TrainConfig, world: World, busy: bool = True) -> str | None:
-    """Everything the launcher can tell before torchrun starts, for the launch `world`; `busy`:
-    the lock too."""
+def launch_problem(run_dir: Path, busy: bool = True) -> str | None:
+    """What the launcher can tell of the run dir before torchrun starts, without a worker's
+    imports: whether it can be made and written, and with `busy`, whether another run holds it.
+    A resume's checks need the checkpoint's formats: each launch's rank 0 makes them (guard)."""
     try:
         message = unusable(run_dir)
         if message is None and busy:
             refuse_if_busy(run_dir)
-        return message or resume_problem(run_dir, config, world)
+        return message
     except RunDirError as err:
         return str(err)
 
@@ -431,7 +433,22 @@ def guard(run_dir: Path, config: DictConfig, world: World, place: Place) -> None
     refusal raises RunDirError (or the config's ConfigError), its message the line to print."""
     message = unusable(run_dir, place)  # every rank: Hydra creates the dir in each
     if message is None and world.main:
+        holder_before = lock_text(run_dir)
         acquire(run_dir, place=place)
         message = resume_problem(run_dir, check_composed(config, world), world, place)
+        if message:  # a refused resume leaves the run dir as it was: its last holder named
+            release(run_dir)
+            with contextlib.suppress(OSError):
+                if holder_before is None:
+                    (run_dir / LOCK).unlink()
+                else:
+                    (run_dir / LOCK).write_bytes(holder_before)
     if message:
         raise RunDirError(message)
+
+
+def lock_text(run_dir: Path) -> bytes | None:
+    try:
+        return (run_dir / LOCK).read_bytes()
+    except OSError:
+        return None

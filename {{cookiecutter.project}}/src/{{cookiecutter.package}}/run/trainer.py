@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_
 from ..config.optimizer import upgraded
 from ..config.registry import builder_of, chosen
 from ..config.schema import CheckpointFormat, OnNonFinite, Precision, Schedule, TrainConfig
+from ..core import caches
 from ..core.world import World, launched_at
 from ..nccl import process_group
 from ..nccl.failfast import NO_WATCHDOG, Heartbeat
@@ -140,6 +141,14 @@ class Window:
         return totals
 
 
+class FirstStep(NamedTuple):
+    """A launch's first step: how long it took, when it was done, what its compile found."""
+
+    seconds: float
+    after_launch_s: float
+    compiled: str | None  # compilation.cache_report's; None without torch.compile
+
+
 class Trainer:
     """One process's share of a run: its model replica, optimizer, data shard and checkpoints."""
 
@@ -181,7 +190,11 @@ class Trainer:
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
                 device.type,
             )
-        self.forward = torch.compile(self.model) if self.compiled else self.model
+        # Set whether or not this run compiles: inductor reads it when it first compiles.
+        self.compile_cache = caches.keep_caches_in(run_dir)
+        self.forward = (
+            compilation.compiled_forward(self.model, self.module) if self.compiled else self.model
+        )
         self.loss = compilation.loss_function(self.compiled)
         self.recompiles = compilation.Recompiles()
         self.timeline.mark(
@@ -244,6 +257,7 @@ class Trainer:
         self.lost = dict.fromkeys(LOST, 0.0)  # seconds of this launch the steps did not use
         self.stepping_s = 0.0  # seconds of this launch spent in steps (the first one's aside)
         self.steps_done = 0  # by this launch
+        self.first_step: FirstStep | None = None
 
     def train(self) -> bool:
         """Train to trainer.max_steps from the newest checkpoint (resume() first, unless called
@@ -375,8 +389,12 @@ class Trainer:
         took = time.perf_counter() - started
         self.window.set_aside(took, steps=1)
         self.lost["first step"] += took
+        # The start-up a relaunch costs: from the launch to the first step done (bench reports it).
+        compiled = compilation.cache_report(self.compile_cache) if self.compiled else None
+        self.first_step = FirstStep(took, time.time() - self.launched_at, compiled)
         if self.compiled:
-            log.info("torch.compile: the first step took %.1f s (compiling the model)", took)
+            if self.world.main:
+                log.info("torch.compile: the first step took %.1f s (%s)", took, compiled)
             self.recompiles.start()
 
     def set_aside_checkpoint(self, seconds: float) -> None:
@@ -397,7 +415,8 @@ class Trainer:
         other = wall - self.stepping_s - accounted
         line = (
             f"goodput {goodput:.2f}: {self.stepping_s:.1f} s of steps in {wall:.1f} s since "
-            f"launch ({spent}{', other' if spent else 'other'} {max(0.0, other):.1f} s)"
+            f"launch ({spent}{', other' if spent else 'other'} {max(0.0, other):.1f} s); the "
+            f"first step done {self.first_step.after_launch_s:.1f} s after launch"
         )
         if self.flops_per_token and self.peak_flops:
             tokens = self.steps_done * self.global_batch.samples * self.tokens_per_sample
