@@ -16,10 +16,9 @@ from types import SimpleNamespace
 
 began = time.perf_counter()
 import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
-
 from ddp_project.model import Gpt  # noqa: E402
 from ddp_project.run import compilation  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 mode, blob = sys.argv[1], Path(sys.argv[2])
 imported = time.perf_counter()

@@ -123,11 +123,10 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_another_world_size_keeps_the
     assert max_abs_diff(resumed["model"], uninterrupted) <= reordered(terms=256, steps=10)
 
 
-def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_process(
-    kept, tmp_path
-):
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_step(kept, tmp_path):
     """3 processes cannot make kept's 256 samples per step from data.batch_size 128: the
-    launcher says so, naming the figures and the world sizes that can, and starts no worker."""
+    workers' first line says so (the launcher reads no checkpoint), naming the figures and the
+    world sizes that can, and the run dir stays as it was."""
     shutil.copytree(kept, tmp_path / "run")
     done = subprocess.run(
         launch_command("--nproc-per-node", "3", "hydra.run.dir=run", "dist.backend=gloo"),
@@ -144,9 +143,9 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_before_any_pr
         "to keep it, or add trainer.accept_changes=[data.batch_size] to train on with another "
         "global batch, or choose another hydra.run.dir"
     ]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
-        p.name for p in kept.iterdir()
-    )
+    files = {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    run = tmp_path / "run"
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
 
 
 def test_batch_figures_that_keep_the_global_batch_are_no_change_of_results(kept):

@@ -1,8 +1,8 @@
 """The global batch: the samples of one optimizer step, processes × data.batch_size ×
 trainer.grad_accumulation. Results depend on it, not on how many processes share it, so a run
 resumed on another world size keeps it: the accumulation is adjusted, or the resume refused in
-one line naming the figures. Pure functions: the launcher checks before any process starts (when
-it knows the world size), each worker adjusts the same way.
+one line naming the figures. Pure functions: a launch's rank 0 checks before anything is written
+(rundir.RunDirGuard), each worker adjusts the same way.
 """
 
 from __future__ import annotations

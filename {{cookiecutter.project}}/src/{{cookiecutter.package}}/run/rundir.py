@@ -2,8 +2,9 @@
 that can be written. Checked before anything is written there, in one line each.
 
 RunDirGuard runs as a Hydra callback (configs/train.yaml) in every worker, before Hydra creates
-the dir; in a sweep (-m), for each job's dir, as the job starts. The launcher
-(`{{ cookiecutter.project }} train`) runs the same checks before torchrun starts.
+the dir; in a sweep (-m), for each job's dir, as the job starts. The launcher checks what
+needs none of a worker's imports before torchrun starts (launch_problem); a resume's checks read
+the checkpoint, whose formats only a worker imports.
 Global rank 0 holds an exclusive lock on `<run dir>/.lock` for the life of its process: the
 kernel drops it when the process ends, however it ends, so a dead run's lock is taken over.
 """
