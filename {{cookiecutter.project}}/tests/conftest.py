@@ -101,7 +101,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def launcher_state(monkeypatch):
     """launch.main() in this process names the run in os.environ and installs signal handlers:
     both undone after each test (and no world size is left in the environment to mislead it)."""
-    for name in ("DDP_RUN_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+    for name in (
+        "DDP_RUN_NAME",
+        "DDP_LAUNCHED_AT",
+        "DDP_LAUNCHER_IMPORTED_AT",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+    ):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}

@@ -7,24 +7,26 @@ import sys
 from conftest import PACKAGE
 
 from ddp_project.core.world import LAUNCHED_AT_VAR
-from ddp_project.record.startup import TORCHRUN_AT_VAR, Timeline
+from ddp_project.record.startup import LAUNCHER_IMPORTED_VAR, TORCHRUN_AT_VAR, Timeline
 
 
 def test_each_phase_is_the_time_from_the_mark_before_it():
-    env = {LAUNCHED_AT_VAR: "100.0", TORCHRUN_AT_VAR: "103.0"}
+    env = {LAUNCHED_AT_VAR: "100.0", LAUNCHER_IMPORTED_VAR: "102.0", TORCHRUN_AT_VAR: "103.0"}
     timeline = Timeline(imported_at=108.0, env=env)
-    timeline.marks[1] = ("torchrun", 104.0)  # this process's start, from /proc: fixed here
+    timeline.marks[2] = ("torchrun", 104.0)  # this process's start, from /proc: fixed here
     timeline.mark("config", at=109.5)
     timeline.mark("model", at=112.0)
     assert timeline.phases() == [
-        ("launcher", 3.0),
+        ("launcher imports", 2.0),
+        ("launcher", 1.0),
         ("torchrun", 1.0),
         ("imports", 4.0),
         ("config", 1.5),
         ("model", 2.5),
     ]
     assert timeline.line() == (
-        "start-up 12.0 s: launcher 3.0 s, torchrun 1.0 s, imports 4.0 s, config 1.5 s, model 2.5 s"
+        "start-up 12.0 s: launcher imports 2.0 s, launcher 1.0 s, torchrun 1.0 s, imports 4.0 s, "
+        "config 1.5 s, model 2.5 s"
     )
 
 
@@ -67,6 +69,7 @@ def test_the_launchers_run_logs_where_its_start_up_went(tmp_path):
     ]
     phases = [p.rsplit(" ", 2)[0] for p in line.split(" s: ", 1)[1].split(", ")]
     assert phases == [
+        "launcher imports",
         "launcher",
         "torchrun",
         "imports",

@@ -117,11 +117,12 @@ from .launcher.torchrun_args import (
     split,
 )
 from .launcher.worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidBelow, summary
-from .record.startup import TORCHRUN_AT_VAR
+from .record.startup import LAUNCHER_IMPORTED_VAR, TORCHRUN_AT_VAR
 from .run import rundir
 from .run.oom import MemoryWatch, children
 
 COMMAND = PROJECT
+IMPORTED_AT = time.time()  # the start-up line's "launcher imports" end here
 
 
 # torchrun's c10d defaults (torch/distributed/elastic/rendezvous): read_timeout, join_timeout.
@@ -246,6 +247,7 @@ def ended(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     hear_stops()
     os.environ.setdefault(LAUNCHED_AT_VAR, repr(launched_at()))  # this process's start
+    os.environ[LAUNCHER_IMPORTED_VAR] = repr(IMPORTED_AT)
     try:
         return launch(sys.argv[1:] if argv is None else argv)
     except (KeyboardInterrupt, Stopped) as err:  # a stop before the run dir is known

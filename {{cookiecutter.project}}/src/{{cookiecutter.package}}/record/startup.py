@@ -12,6 +12,9 @@ from collections.abc import Mapping
 from ..core.world import LAUNCHED_AT_VAR, launched_at, process_started_at
 
 TORCHRUN_AT_VAR = "DDP_TORCHRUN_AT"  # when the launcher handed over to torchrun (time.time())
+# When the launcher's imports were done (torch's, for torchrun, and Hydra's): what it costs before
+# any check of its own.
+LAUNCHER_IMPORTED_VAR = "DDP_LAUNCHER_IMPORTED_AT"
 
 
 class Timeline:
@@ -23,7 +26,10 @@ class Timeline:
         self.start = launched_at(env)
         handed_over = env.get(TORCHRUN_AT_VAR, "")
         if LAUNCHED_AT_VAR in env and handed_over.replace(".", "", 1).isdigit():
-            self.mark("launcher", float(handed_over))  # its imports, checks and the run dir's
+            imported = env.get(LAUNCHER_IMPORTED_VAR, "")
+            if imported.replace(".", "", 1).isdigit():
+                self.mark("launcher imports", float(imported))
+            self.mark("launcher", float(handed_over))  # its checks, the config's and the run dir's
             self.mark("torchrun", process_started_at())  # to this worker's start
         self.mark("imports", imported_at)  # the interpreter, torch and Hydra
 
