@@ -2,9 +2,13 @@
 # Launch -> first finished step on one GPU, for this tree's project against another commit's
 # (.bench-ref/ref, as gpt-compare.sh stages it), interleaved round by round. Each round and
 # variant has runs of its own, on a fresh node each launch (/tmp's caches emptied):
-#   cold    a new run, nothing cached anywhere (2 steps, a checkpoint at step 2);
-#   resched that run resumed, its storage kept: a rescheduled pod (to step 4);
-#   rerun   a new run dir beside it: the next run, finding the earlier one's caches.
+#   cold    a new run, nothing cached anywhere (COLD_STEPS steps, default 2, and a checkpoint);
+#   resched that run resumed, its storage kept: a rescheduled pod (2 steps more);
+#   rerun   a new run dir beside it: the next run, finding the earlier one's caches (RERUN=0: none).
+# With COLD_STEPS past 20, the cold runs' MFU over their windows after step 20 (10 steps each) too.
+# VARIANT_SED="NAME|FILE|EXPRESSION" adds variant NAME: this tree's package with the sed EXPRESSION
+# applied to FILE (as in gpu-mfu.sh), e.g. the model compiled whole:
+#   VARIANT_SED="whole|run/compilation.py|s/blocks = repeated_blocks(bare)/blocks = []/"
 # Per launch: the start-up line's phases, the first step (its compile), launch -> first step
 # done. Rows in $OUT/startup.jsonl, table in $OUT/startup.log, the launches' logs in
 # $OUT/startup-logs.tgz.
@@ -23,6 +27,17 @@ if [[ -f $repo/.bench-ref/ref/cookiecutter.json ]]; then
   python3 -m pip install -q --no-deps --no-build-isolation --target "$work/ref-site" "$work/ref-render/ddp-project"
   paths[ref]=$work/ref-site:${PYTHONPATH#"$work/site:"}
   variants=(ref new)
+fi
+if [[ ${VARIANT_SED:-} ]]; then
+  IFS='|' read -r sed_name sed_file sed_expression <<<"$VARIANT_SED"
+  cp -r "$work/site" "$work/site-$sed_name"
+  sed -i "$sed_expression" "$work/site-$sed_name/ddp_project/$sed_file"
+  if cmp -s "$work/site/ddp_project/$sed_file" "$work/site-$sed_name/ddp_project/$sed_file"; then
+    echo "VARIANT_SED: the expression changed nothing in $sed_file" >&2
+    exit 2
+  fi
+  paths[$sed_name]=$work/site-$sed_name:${PYTHONPATH#"$work/site:"}
+  variants+=("$sed_name")
 fi
 cd "$work"
 logs=$work/logs
@@ -44,18 +59,22 @@ launch() {  # variant round kind run-dir overrides...
   PYTHONPATH=${paths[$variant]} timeout "${LAUNCH_TIMEOUT:-200}" python3 -m ddp_project.launch train --standalone \
     --nproc-per-node 1 $overrides "$@" hydra.run.dir="$run" >"$logs/$name.log" 2>&1 \
     || { echo "$name failed:"; tail -5 "$logs/$name.log"; }
-  python3 - "$name" "$logs/$name.log" "$began" >>"$OUT/startup.jsonl" <<'PY'
-import json, re, sys
-name, log, began = sys.argv[1], sys.argv[2], float(sys.argv[3])
+  python3 - "$name" "$logs/$name.log" "$began" "$run" >>"$OUT/startup.jsonl" <<'PY'
+import json, os, re, sys
+name, log, began, run = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 text = open(log).read()
 line = re.search(r"start-up ([\d.]+) s: (.*)", text)
 first = re.search(r"the first step took ([\d.]+) s \(([^)]*)\)", text)
+rows = [json.loads(l) for l in open(run + "/metrics.jsonl")] if os.path.exists(run + "/metrics.jsonl") else []
+past = [r for r in rows if r["step"] > 20 and r.get("mfu")]
+mfu = len(past) / sum(1 / r["mfu"] for r in past) if past else None  # over the windows' time
 phases = dict((p.rsplit(" ", 2)[0], float(p.rsplit(" ", 2)[1])) for p in line[2].split(", ")) if line else {}
 variant, round_, kind = name.split("-")
 print(json.dumps({"name": name, "variant": variant, "round": int(round_), "kind": kind,
                   "start_up_s": float(line[1]) if line else None, "phases": phases,
                   "first_step_s": float(first[1]) if first else None, "compile": first[2] if first else None,
-                  "to_first_step_s": (float(line[1]) + float(first[1])) if line and first else None}))
+                  "to_first_step_s": (float(line[1]) + float(first[1])) if line and first else None,
+                  "mfu": mfu, "mfu_windows": len(past)}))
 PY
   grep -h "start-up\|first step took" "$logs/$name.log" | sed "s/^.*INFO\] - /$name: /"
 }
@@ -65,9 +84,13 @@ for round in $(seq "${ROUNDS:-2}"); do
   for v in "${order[@]}"; do
     runs=/tmp/startup-runs/$v-$round
     rm -rf "$runs"
-    launch "$v" "$round" cold "$runs/run" trainer.max_steps=2 trainer.checkpoint_every=2
-    launch "$v" "$round" resched "$runs/run" trainer.max_steps=4 trainer.checkpoint_every=0
-    launch "$v" "$round" rerun "$runs/rerun" trainer.max_steps=2 trainer.checkpoint_every=0
+    cold=${COLD_STEPS:-2}
+    launch "$v" "$round" cold "$runs/run" trainer.max_steps="$cold" trainer.checkpoint_every="$cold" \
+      trainer.log_every=10
+    launch "$v" "$round" resched "$runs/run" trainer.max_steps=$((cold + 2)) trainer.checkpoint_every=0
+    if [[ ${RERUN:-1} == 1 ]]; then
+      launch "$v" "$round" rerun "$runs/rerun" trainer.max_steps=2 trainer.checkpoint_every=0
+    fi
   done
 done
 python3 - "$OUT/startup.jsonl" <<'PY' | tee "$OUT/startup.log"
@@ -82,14 +105,16 @@ for r in rows:
           f"     {p.get('imports', 0):8.1f}"
           f" {p.get('config', 0):7.1f} {p.get('model', 0):6.1f} {p.get('resume', 0):7.1f} {r['first_step_s'] or 0:11.1f}"
           f" {r['to_first_step_s'] or 0:24.1f}  {r['compile']}")
-print("\nmedian (min-max) over rounds: launch -> first step done; the launcher phase")
+print("\nmedian (min-max) over rounds: launch -> first step done; the launcher phase; the cold runs' MFU")
 for kind in ("cold", "resched", "rerun"):
     for variant in dict.fromkeys(r["variant"] for r in rows):
         got = [r for r in rows if r["variant"] == variant and r["kind"] == kind and r["to_first_step_s"]]
         if got:
             total = [r["to_first_step_s"] for r in got]
             launchers = [launcher_s(r) for r in got]
-            print(f"{kind:8} {variant:4} {statistics.median(total):6.1f} ({min(total):.1f}-{max(total):.1f})"
-                  f"   launcher {statistics.median(launchers):4.1f} ({min(launchers):.1f}-{max(launchers):.1f})")
+            mfu = [r["mfu"] for r in got if r["mfu"]]
+            print(f"{kind:8} {variant:6} {statistics.median(total):6.1f} ({min(total):.1f}-{max(total):.1f})"
+                  f"   launcher {statistics.median(launchers):4.1f} ({min(launchers):.1f}-{max(launchers):.1f})"
+                  + (f"   MFU {statistics.median(mfu):.4f} ({min(mfu):.4f}-{max(mfu):.4f})" if mfu else ""))
 PY
 tar czf "$OUT/startup-logs.tgz" -C "$logs" .

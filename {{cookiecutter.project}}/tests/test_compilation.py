@@ -268,3 +268,17 @@ def test_the_first_step_s_line_says_whether_the_cache_had_its_graphs(monkeypatch
     )
     monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=1, fxgraph_cache_miss=2))
     assert compilation.cache_report(tmp_path) == f"1 of 3 graphs from the cache, {tmp_path}"
+
+
+def test_a_cache_folder_inductor_could_not_make_beside_the_runs_falls_back_to_the_run_dir(
+    tmp_path,
+):
+    """A file where .compile-cache would go (or a runs folder of another user): inductor would
+    fail at the first step. The run's own dir is writable: its relaunches still find it."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / ".compile-cache").write_text("not a folder")
+    env = {}
+    assert caches.keep_caches_in(tmp_path / "run", env) == tmp_path / "run" / ".compile-cache"
+    assert env[caches.CACHE_VAR] == str(tmp_path / "run" / ".compile-cache")
+    assert not caches.writable(tmp_path / ".compile-cache")
+    assert caches.writable(tmp_path / "new-folder")  # made by inductor when it first compiles

@@ -159,7 +159,8 @@ def test_the_launcher_checks_the_keywords_without_building_the_optimizer(compose
 
 def test_a_value_the_class_refuses_ends_the_launch_in_the_workers_first_line(tmp_path):
     """Through the real launcher: one line, exit 2, no run dir."""
-    done = launch(tmp_path, "optimizer=sgd", "optimizer.kwargs.momentum=-1", "hydra.run.dir=run")
+    momentum = ("optimizer=sgd", "optimizer.kwargs.momentum=-1")
+    done = launch(tmp_path, "--nproc-per-node", "1", *momentum, "hydra.run.dir=run")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
         "config error: optimizer: torch.optim.SGD refuses its keywords: Invalid momentum value: -1"

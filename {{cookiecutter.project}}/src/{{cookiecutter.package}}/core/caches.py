@@ -34,9 +34,24 @@ def record_users_choice(env: MutableMapping[str, str] = os.environ) -> None:
 
 def keep_caches_in(run_dir: Path, env: MutableMapping[str, str] = os.environ) -> Path:
     """Point inductor at the compile cache for a run in `run_dir`, before anything compiles, and
-    return it: the user's choice, else `<the runs' folder>/.compile-cache`."""
+    return it: the user's choice, else `<the runs' folder>/.compile-cache`, else, where this
+    user cannot write that, `<run dir>/.compile-cache` (the run's own relaunches still find it;
+    inductor would fail at the first step instead)."""
     record_users_choice(env)  # a process that was not started by a command that recorded it
     users = env[CHOICE_VAR]
-    path = Path(users) if users else Path(os.path.abspath(run_dir.parent / FOLDER))
+    if users:
+        path = Path(users)
+    else:
+        beside = Path(os.path.abspath(run_dir.parent / FOLDER))
+        path = beside if writable(beside) else Path(os.path.abspath(run_dir / FOLDER))
     env[CACHE_VAR] = str(path)  # over the default inductor may have written meanwhile
     return path
+
+
+def writable(folder: Path) -> bool:
+    """Whether this user can write in `folder`, or make it (inductor makes its parents too):
+    nothing is made to find out."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
