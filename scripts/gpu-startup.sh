@@ -37,7 +37,6 @@ if [[ ${VARIANT_SED:-} ]]; then
     exit 2
   fi
   paths[$sed_name]=$work/site-$sed_name:${PYTHONPATH#"$work/site:"}
-  variants+=("$sed_name")
 fi
 cd "$work"
 logs=$work/logs
@@ -78,9 +77,12 @@ print(json.dumps({"name": name, "variant": variant, "round": int(round_), "kind"
 PY
   grep -h "start-up\|first step took" "$logs/$name.log" | sed "s/^.*INFO\] - /$name: /"
 }
+compared=("${variants[@]}")  # ref and new: they alternate; a VARIANT_SED variant goes last
+variants+=(${sed_name:+"$sed_name"})
 for round in $(seq "${ROUNDS:-2}"); do
-  order=("${variants[@]}")
-  ((round % 2 == 0)) && order=($(printf '%s\n' "${variants[@]}" | tac))
+  order=("${compared[@]}")
+  ((round % 2 == 0)) && order=($(printf '%s\n' "${compared[@]}" | tac))
+  order+=(${sed_name:+"$sed_name"})
   for v in "${order[@]}"; do
     runs=/tmp/startup-runs/$v-$round
     rm -rf "$runs"
