@@ -4,7 +4,9 @@
 from nothing; `<runs>/.compile-cache` is on the runs' own storage, where the next pod and the next
 run find it. Inductor's cache keys hold the torch version, the GPU and the graph, so runs share it
 safely, and it writes entries atomically, so ranks and nodes may too. Triton's kernels go under
-it unless TRITON_CACHE_DIR says otherwise.
+it unless TRITON_CACHE_DIR says otherwise. PyTorch's portable cache (one blob, saved with
+torch.compiler.save_cache_artifacts and loaded before the first compile) gave the first step no
+sooner from the same storage (docs/performance.md) and would need saving and loading besides.
 
 The user's choice is read once, when the launch's first process starts, before torch is
 imported: inductor writes its own default into TORCHINDUCTOR_CACHE_DIR the first time anything

@@ -34,7 +34,7 @@ def compiled_forward(model: nn.Module, bare: nn.Module) -> Callable[..., torch.T
     """The forward that trains, compiled: `model` is `bare` as wrapped for its strategy (DDP, or
     FSDP2 in place). A model made of repeated blocks (the GPT's) has each block compiled in place,
     which dynamo compiles once and reuses for every block of the same code and shapes: a cold
-    first step in a third of the time, a steady step as fast within 1% (docs/performance.md).
+    first step in half the time, a step as fast within 1% (docs/performance.md).
     In place, a block keeps its parameter names, and DDP's and FSDP2's hooks run around it as
     in eager mode. A model of no repeated blocks (the MLP's layers are bare Linears) is compiled
     whole, where inductor fuses across its layers."""
