@@ -22,7 +22,7 @@ import ddp_project.model  # noqa: F401
 from ddp_project.core import caches
 from ddp_project.core.world import World
 from ddp_project.model import Gpt, Mlp
-from ddp_project.run import compilation
+from ddp_project.run import compilation, fsdp
 from ddp_project.run.trainer import Trainer
 
 
@@ -32,7 +32,6 @@ def compiled_on_cpu(monkeypatch):
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     monkeypatch.setenv(caches.CACHE_VAR, "")  # the Trainer sets it: undone after the test
-    monkeypatch.setenv(caches.CHOICE_VAR, "")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -131,27 +130,25 @@ def test_the_compile_caches_live_beside_the_run_dir_unless_the_user_chose_theirs
     """A pod rescheduled to a fresh node, and the next run, find them on the runs' storage, not
     in the node's /tmp; inductor reads the variable itself, so it must be set, not returned."""
     env = {}
-    caches.record_users_choice(env)
     cache = tmp_path / ".compile-cache"
     assert caches.keep_caches_in(tmp_path / "2026-12-03_07-00-00_abc123", env) == cache
-    assert env[caches.CACHE_VAR] == str(cache)
+    assert env == {caches.CACHE_VAR: str(cache)}
     theirs = {caches.CACHE_VAR: "/cache"}
-    caches.record_users_choice(theirs)
     assert caches.keep_caches_in(tmp_path, theirs) == Path("/cache")
-    assert theirs[caches.CACHE_VAR] == "/cache"
+    assert theirs == {caches.CACHE_VAR: "/cache"}
 
 
-def test_the_default_torch_writes_after_the_launch_began_is_not_taken_for_the_user_s(tmp_path):
+def test_the_default_inductor_writes_itself_is_not_taken_for_the_user_s(tmp_path):
     """Inductor writes /tmp/torchinductor_<user> into the variable the first time anything asks
-    it for its directory (importing dynamo does): the choice recorded at the launch's start
-    holds, in the launcher and in its workers, which inherit the record."""
-    launcher_env = {}
-    caches.record_users_choice(launcher_env)  # at the command's entry, before torch
-    launcher_env[caches.CACHE_VAR] = "/tmp/torchinductor_root"  # what inductor writes later
-    worker_env = dict(launcher_env)
-    caches.record_users_choice(worker_env)  # the worker's entry keeps its launcher's record
+    it for its directory (importing dynamo does), and every process started after that inherits
+    it: the launcher's workers, a bench's. That value is inductor's, whoever passed it on."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert caches.inductors_default() == default_cache_dir()  # the torch this runs on agrees
+    inherited = {caches.CACHE_VAR: default_cache_dir()}
     run_dir = tmp_path / "outputs" / "run"
-    assert caches.keep_caches_in(run_dir, worker_env) == tmp_path / "outputs" / ".compile-cache"
+    assert caches.keep_caches_in(run_dir, inherited) == tmp_path / "outputs" / ".compile-cache"
+    assert caches.users_choice({caches.CACHE_VAR: ""}) is None
 
 
 def test_inductor_reads_its_cache_dir_from_the_variable_as_keep_caches_in_sets_it(
@@ -184,19 +181,19 @@ RECORD_CACHE_DIR = textwrap.dedent(
 )
 
 
-def test_every_worker_of_a_launch_compiles_into_the_cache_beside_its_runs(tmp_path):
+@pytest.mark.parametrize("users", [None, "mine"], ids=["beside the runs", "the user's"])
+def test_every_worker_of_a_launch_compiles_into_the_cache_beside_its_runs(tmp_path, users):
     """Through the real launcher, 2 processes: what inductor would use in each worker is
-    <runs>/.compile-cache, whatever the launcher's own checks made torch write first."""
+    <runs>/.compile-cache, whatever the launcher's own checks made torch write first; or the
+    directory the user set."""
     hook, records = tmp_path / "hook", tmp_path / "records"
     hook.mkdir()
     records.mkdir()
     (hook / "sitecustomize.py").write_text(RECORD_CACHE_DIR)
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in (caches.CACHE_VAR, caches.CHOICE_VAR)
-    }
+    env = {key: value for key, value in os.environ.items() if key != caches.CACHE_VAR}
     env |= {"PYTHONPATH": f"{hook}:{env.get('PYTHONPATH', '')}", "CACHE_DIR_RECORDS": str(records)}
+    if users:
+        env[caches.CACHE_VAR] = str(tmp_path / users)
     done = subprocess.run(
         launch_command(
             "--nproc-per-node",
@@ -213,7 +210,8 @@ def test_every_worker_of_a_launch_compiles_into_the_cache_beside_its_runs(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [json.loads((records / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert seen == [str(tmp_path / "runs" / ".compile-cache")] * 2
+    expected = tmp_path / users if users else tmp_path / "runs" / ".compile-cache"
+    assert seen == [str(expected)] * 2
 
 
 def tiny_gpt(layers: int) -> Gpt:
@@ -243,10 +241,12 @@ def test_a_gpt_compiles_its_repeated_blocks_in_place_and_an_mlp_compiles_whole()
     )
 
 
-def test_a_gpt_s_blocks_compile_into_one_graph_for_all_of_them(monkeypatch):
-    """Dynamo compiles the block's code once and reuses it for every block of the same shapes:
-    the cold compile of one block, not of the whole model (whose graph would hold the
-    embeddings and the head too)."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "activation checkpointing"])
+def test_a_gpt_s_blocks_compile_into_one_graph_for_all_of_them(monkeypatch, recompute):
+    """Dynamo compiles the block's code once and reuses it for every block of the same shapes,
+    with each block's forward recomputed too (dist.activation_checkpointing): the cold compile
+    of one block, not of the whole model (whose graph would hold the embeddings and the head),
+    nor of each block (past 10, dynamo's recompile limit would leave the rest eager)."""
     graphs = []
 
     def recording(graph, example_inputs):
@@ -256,30 +256,43 @@ def test_a_gpt_s_blocks_compile_into_one_graph_for_all_of_them(monkeypatch):
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=recording))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    gpt = tiny_gpt(4)
-    eager = tiny_gpt(4)
+    gpt = tiny_gpt(10)
+    eager = tiny_gpt(10)
     eager.load_state_dict(gpt.state_dict())
+    if recompute:
+        fsdp.checkpoint_activations(gpt)
     gpt = compilation.compiled_forward(gpt, gpt)
     tokens = torch.randint(0, 32, (2, 8))
     assert torch.equal(gpt(tokens), eager(tokens))
     (graph,) = graphs
     ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
     assert "<function embedding at" not in " ".join(ops)  # a block's graph, not the model's
-    assert any("scaled_dot_product_attention" in op for op in ops)
+    # the block's attention, or its forward wrapped whole in the recompute (a subgraph)
+    expected = "checkpoint" if recompute else "scaled_dot_product_attention"
+    assert any(expected in op for op in ops), ops
     torch._dynamo.reset()
 
 
 def test_the_first_step_s_line_says_whether_the_cache_had_its_graphs(monkeypatch, tmp_path):
+    """From inductor's counts since the run began: a sweep's jobs share a process."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=3))
-    assert compilation.cache_report(tmp_path) == f"cache hit, {tmp_path}"
-    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_miss=3))
-    assert compilation.cache_report(tmp_path).startswith(
+    def after(**counts):
+        monkeypatch.setitem(counters, "inductor", Counter(counts))
+        return compilation.cache_report(tmp_path, before)
+
+    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=2, fxgraph_cache_miss=5))
+    before = compilation.cache_counts()  # an earlier job's
+    assert after(fxgraph_cache_hit=5, fxgraph_cache_miss=5) == f"cache hit, {tmp_path}"
+    assert after(fxgraph_cache_hit=2, fxgraph_cache_miss=8).startswith(
         f"cold: nothing cached for torch {torch.__version__} / CPU / this model; cached now in"
     )
-    monkeypatch.setitem(counters, "inductor", Counter(fxgraph_cache_hit=1, fxgraph_cache_miss=2))
-    assert compilation.cache_report(tmp_path) == f"1 of 3 graphs from the cache, {tmp_path}"
+    three = after(fxgraph_cache_hit=3, fxgraph_cache_miss=7)
+    assert three == f"1 of 3 graphs from the cache, {tmp_path}"
+    assert (
+        after(fxgraph_cache_hit=2, fxgraph_cache_miss=5)
+        == f"no graph compiled by inductor, {tmp_path}"
+    )
 
 
 def test_a_cache_folder_inductor_could_not_make_beside_the_runs_falls_back_to_the_run_dir(

@@ -992,3 +992,26 @@ def test_torchs_timer_joined_from_its_own_thread_prints_nothing_and_other_errors
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr[-3000:]
     assert ("cannot join current thread" in done.stderr) == (hook != "hooked")
     assert "ZeroDivisionError" in done.stderr  # not the timer's: Python's hook prints it
+
+
+# What only a worker needs: the launcher's checks must not import it (seconds in every launch).
+WORKERS_ONLY = ("torch._dynamo", "torch.distributed.tensor", f"{PACKAGE}.run.checkpoint")
+
+
+def test_the_launchers_checks_import_nothing_only_a_worker_needs(tmp_path):
+    """Composing, checking the config (the optimizer's class and keywords too) and the run dir of
+    a resume, in a fresh process as the command runs them: none of dynamo (building an
+    optimizer imports it), DTensor or the checkpoint formats."""
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "step_000000010.pt").write_bytes(b"a resume's checkpoint: the workers read it")
+    probe = (
+        f"import sys; from {PACKAGE} import launch; from {PACKAGE}.core.world import World; "
+        "launch.checked(['optimizer=sgd', 'hydra.run.dir=run'], World(size=2, local_size=2)); "
+        f"print([name for name in {WORKERS_ONLY!r} if name in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

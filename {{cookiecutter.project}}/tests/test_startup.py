@@ -7,7 +7,11 @@ import sys
 from conftest import PACKAGE
 
 from ddp_project.core.world import LAUNCHED_AT_VAR
-from ddp_project.record.startup import LAUNCHER_IMPORTED_VAR, TORCHRUN_AT_VAR, Timeline
+from ddp_project.record.startup import (
+    LAUNCHER_IMPORTED_VAR,
+    TORCHRUN_AT_VAR,
+    Timeline,
+)
 
 
 def test_each_phase_is_the_time_from_the_mark_before_it():

@@ -4,7 +4,7 @@
     python -m {{ cookiecutter.package }}.check trainer.max_steps=-1 nccl=pcie_safe
 
 train runs the same check (config.compose.ConfigCheck) once Hydra has composed its config; the
-launcher runs it before torchrun starts.
+launcher runs all of it but the optimizer's trial before torchrun starts.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from . import PACKAGE, PROJECT
-from .core import caches
 from .core.exits import Exit, for_signal
 
 
@@ -67,7 +66,6 @@ TIMER_SOURCE = os.path.join("elastic", "rendezvous", "utils.py")
 # the workers start with the environment as it was.
 QUIET_CPP_LOG = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if __name__ == "__main__" or Path(sys.argv[0]).name == PROJECT:  # the command, not an import
-    caches.record_users_choice()  # before torch, which may write its own default
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stopped_while_starting)
     sys.unraisablehook = timer_joined_from_itself

@@ -20,7 +20,6 @@ import signal
 import sys
 from typing import NoReturn
 
-from .core import caches
 from .core.exits import for_signal
 from .core.world import World
 
@@ -39,7 +38,6 @@ def stopped_while_importing(signum: int, frame: object) -> NoReturn:
 
 
 if __name__ == "__main__":  # the command (tests import this module)
-    caches.record_users_choice()  # before torch, which may write its own default
     for signum in STARTING_STOPS:
         signal.signal(signum, stopped_while_importing)
     # The launcher starts its workers with these held (launch.HELD_FOR_WORKERS): one that came

@@ -1,8 +1,10 @@
 """A training config composed as train composes it, and checked: a bad one explained in one line.
 
 ConfigCheck runs the check once Hydra has composed a run's config, before any run dir or process
-group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts. Its exit
-code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every failure as 1).
+group exists; the launcher, which the Kubernetes pods run, runs it before torchrun starts, all but
+the optimizer's trial (try_optimizer), which imports dynamo: each worker's first line finds that.
+Its exit code 2 is the one the Job's podFailurePolicy fails on at once (torchrun reports every
+failure as 1).
 It reads what train reads: every configs/ file as YAML, the overrides as overrides.hydra_overrides
 rewrites them, and a data folder (token_files.check_folder).
 """

@@ -128,7 +128,7 @@ def try_optimizer(cfg: OptimizerConfig, lr: float, on_cuda: bool) -> None:
     except Exception as err:  # the class's own checks: ValueError mostly, TypeError for a type
         reason = " ".join(str(err).split())[:300]
         raise ConfigError(f"optimizer: {cfg._target_} refuses its keywords: {reason}") from None
-    if on_cuda:  # a step here would hold a GPU in the launcher; the workers' first step checks
+    if on_cuda:  # a trial step would take GPU memory in each worker; their first step checks
         return
     trial[0].grad = torch.ones_like(trial[0])
     try:

@@ -186,7 +186,7 @@ class TrainerConfig:
 class OptimizerConfig:
     """configs/optimizer/: any torch.optim optimizer by _target_, in two parameter groups: the
     tensors of 2 or more dimensions decay, the rest (biases, norms' gains) do not. Null keys are
-    the class's own defaults; what the class takes is checked in validate.check_optimizer."""
+    the class's own defaults; what the class takes and accepts is checked in config/optimizer.py."""
 
     _target_: str = MISSING  # a torch.optim.Optimizer subclass by import path
     weight_decay: float = MISSING  # of the decayed group

@@ -8,30 +8,45 @@ it unless TRITON_CACHE_DIR says otherwise. PyTorch's portable cache (one blob, s
 torch.compiler.save_cache_artifacts and loaded before the first compile) gave the first step no
 sooner from the same storage (docs/performance.md) and would need saving and loading besides.
 
-The user's choice is read once, when the launch's first process starts, before torch is
-imported: inductor writes its own default into TORCHINDUCTOR_CACHE_DIR the first time anything
-asks it for the directory (importing dynamo does), and a later look at the variable would take
-that for the user's. The first process records what it found in CHOICE_VAR; its workers inherit
-the record, not torch's default. The standard library only: the launcher reads it first thing.
+Inductor writes its own default into TORCHINDUCTOR_CACHE_DIR the first time anything asks it for
+the directory (importing dynamo does, as building an optimizer does), and every process started
+after that inherits it: the launcher's workers, a bench's, a notebook's. That value is inductor's,
+not the user's, wherever it comes from, so it is told apart by what it is. The standard library
+only: the launcher's checks import no inductor.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
-from collections.abc import MutableMapping
+import re
+import tempfile
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"  # inductor's FX graphs and AOTAutograd; Triton's beneath
-TRITON_VAR = "TRITON_CACHE_DIR"
-# The user's TORCHINDUCTOR_CACHE_DIR as the launch found it ("" for none), for its workers.
-CHOICE_VAR = "DDP_USERS_COMPILE_CACHE"
 FOLDER = ".compile-cache"
 
 
-def record_users_choice(env: MutableMapping[str, str] = os.environ) -> None:
-    """At a command's entry, before torch is imported: whether the user set the cache's place.
-    A worker keeps its launcher's record."""
-    env.setdefault(CHOICE_VAR, env.get(CACHE_VAR, ""))
+def inductors_default() -> str:
+    """The directory inductor picks when the variable is unset, as its cache_dir_utils names it:
+    /tmp/torchinductor_<user>."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
+
+
+def users_choice(env: Mapping[str, str] = os.environ) -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR where the user set it; None where it is unset, empty, or the
+    default inductor wrote into it itself."""
+    value = env.get(CACHE_VAR, "")
+    if not value or os.path.abspath(value) == inductors_default():
+        return None
+    return value
 
 
 def keep_caches_in(run_dir: Path, env: MutableMapping[str, str] = os.environ) -> Path:
@@ -39,8 +54,7 @@ def keep_caches_in(run_dir: Path, env: MutableMapping[str, str] = os.environ) ->
     return it: the user's choice, else `<the runs' folder>/.compile-cache`, else, where this
     user cannot write that, `<run dir>/.compile-cache` (the run's own relaunches still find it;
     inductor would fail at the first step instead)."""
-    record_users_choice(env)  # a process that was not started by a command that recorded it
-    users = env[CHOICE_VAR]
+    users = users_choice(env)
     if users:
         path = Path(users)
     else:

@@ -33,7 +33,8 @@ RUNS_MOUNT = "/workspace/runs"
 # in-place restart test hangs or fails in init_process_group without this.
 FRESH_WORKER_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # The root filesystem is read-only. Processes write to the run dir (the claim), /dev/shm, and
-# /tmp (an emptyDir), where HOME points so that torch, triton and matplotlib keep their caches.
+# /tmp (an emptyDir), where HOME points so that triton and matplotlib keep their caches
+# (torch.compile's go beside the runs, on the claim: core/caches.py).
 READ_ONLY_ROOT = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},

@@ -9,6 +9,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
 from ..config.error import ConfigError
+from ..core.caches import FOLDER
 from ..run import rundir
 from ..run.layout import checkpoint_paths
 
@@ -78,6 +79,7 @@ def of_value(run_dir: Path) -> bool:
         "metrics.csv",
         "config.yaml",
         "nccl",
+        FOLDER,  # the compile cache, where the runs' folder could not hold it
     }
     return any(
         path.name not in made_at_start

@@ -1,9 +1,10 @@
 """torch.compile in this project: what it compiles, what the cache gave, and a watch on
 recompiles. Where the caches live: core/caches.py.
 
-The model is compiled, and the cross-entropy apart from it: inductor then reads the bf16 logits
-once for the softmax and once for its gradient, where eager autocast first writes them out in
-fp32 (32 x 1024 x 50304 x 4 bytes, 6.6 GB, at gpt2_small's shape). On an H200 that step took
+Each of the model's repeated blocks is compiled (or, without them, the model), and the
+cross-entropy apart from it: inductor then reads the bf16 logits once for the softmax and once
+for its gradient, where eager autocast first writes them out in fp32 (32 x 1024 x 50304 x 4
+bytes, 6.6 GB, at gpt2_small's shape). On an H200 that step took
 66.6 ms against 74.3 with the eager loss, MFU 0.425 against 0.381; the model and the loss in one
 graph took 67.9 (measured on the template's benchmarks).
 """
@@ -34,14 +35,14 @@ def compiled_forward(model: nn.Module, bare: nn.Module) -> Callable[..., torch.T
     """The forward that trains, compiled: `model` is `bare` as wrapped for its strategy (DDP, or
     FSDP2 in place). A model made of repeated blocks (the GPT's) has each block compiled in place,
     which dynamo compiles once and reuses for every block of the same code and shapes: a cold
-    first step in half the time, a step as fast within 1% (docs/performance.md).
-    In place, a block keeps its parameter names, and DDP's and FSDP2's hooks run around it as
-    in eager mode. A model of no repeated blocks (the MLP's layers are bare Linears) is compiled
-    whole, where inductor fuses across its layers."""
-    blocks = repeated_blocks(bare)
-    if not blocks:
+    first step in half the time, a step as fast within 1% (docs/performance.md). In place, a
+    block keeps its parameter names, and DDP's and FSDP2's hooks run around it as in eager
+    mode. A model of no repeated blocks (the MLP's layers are bare Linears) is compiled whole,
+    where inductor fuses across its layers."""
+    regions = repeated_blocks(bare)
+    if not regions:
         return torch.compile(model)
-    for block in blocks:
+    for block in regions:
         block.compile()
     return model
 
@@ -51,20 +52,31 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     its own; else none."""
     found = blocks(model)
     repeated = len(found) > 1 and len({type(block) for block in found}) == 1
-    return found if repeated and all(next(b.children(), None) for b in found) else []
+    nested = all(next(block.children(), None) is not None for block in found)
+    return found if repeated and nested else []
 
 
-def cache_report(cache: Path) -> str:
-    """After the first compile: whether inductor found its graphs in the cache, by its own
-    counts (torch's private ones: where they are missing, it says only where the cache is)."""
+CACHE_COUNTS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def cache_counts() -> dict[str, int]:
+    """Inductor's cache counts so far in this process (torch's private ones; empty where they
+    are missing): a sweep's jobs share a process, each reports its own difference."""
     try:
         from torch._dynamo.utils import counters
 
-        hits = counters["inductor"]["fxgraph_cache_hit"]
-        misses = counters["inductor"]["fxgraph_cache_miss"]
-        bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+        return {name: int(counters["inductor"][name]) for name in CACHE_COUNTS}
     except Exception:  # noqa: BLE001 - a diagnostic must not stop a run
+        return {}
+
+
+def cache_report(cache: Path | None, before: dict[str, int]) -> str:
+    """After the first compile: whether inductor found its graphs in the cache, from its counts
+    since `before` (cache_counts()); where torch has none, only where the cache is."""
+    now = cache_counts()
+    if not now or not before:
         return f"cache {cache}"
+    hits, misses, bypassed = (now[name] - before[name] for name in CACHE_COUNTS)
     if hits and not misses:
         return f"cache hit, {cache}"
     if misses and not hits:
@@ -75,7 +87,9 @@ def cache_report(cache: Path) -> str:
         )
     if hits or misses:
         return f"{hits} of {hits + misses} graphs from the cache, {cache}"
-    return f"the cache unused: inductor bypassed it for {bypassed} graph(s), {cache}"
+    if bypassed:
+        return f"the cache unused: inductor bypassed it for {bypassed} graph(s), {cache}"
+    return f"no graph compiled by inductor, {cache}"
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -430,20 +430,19 @@ HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra's ru
 
 
 def guard(run_dir: Path, config: DictConfig, world: World, place: Place) -> None:
-    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check. A
-    refusal raises RunDirError (or the config's ConfigError), its message the line to print."""
+    """Every rank: the dir can be written. Global rank 0: the lock, and the resume check; each
+    other node's local rank 0: the resume check too, so that every node's launcher ends with the
+    line (exit 2) rather than with a rendezvous that rank 0 left. A refusal raises RunDirError
+    (or the config's ConfigError), its message the line to print."""
     message = unusable(run_dir, place)  # every rank: Hydra creates the dir in each
     if message is None and world.main:
         holder_before = lock_text(run_dir)
         acquire(run_dir, place=place)
         message = resume_problem(run_dir, check_composed(config, world), world, place)
         if message:  # a refused resume leaves the run dir as it was: its last holder named
-            release(run_dir)
-            with contextlib.suppress(OSError):
-                if holder_before is None:
-                    (run_dir / LOCK).unlink()
-                else:
-                    (run_dir / LOCK).write_bytes(holder_before)
+            put_back_holder(run_dir, holder_before)
+    elif message is None and world.local_rank == 0:
+        message = resume_problem(run_dir, check_composed(config, world), world, place)
     if message:
         raise RunDirError(message)
 
@@ -453,3 +452,16 @@ def lock_text(run_dir: Path) -> bytes | None:
         return (run_dir / LOCK).read_bytes()
     except OSError:
         return None
+
+
+def put_back_holder(run_dir: Path, before: bytes | None) -> None:
+    """The lock file as it was before acquire(), written while the lock is still held, then let
+    go: no other run can take it in between and find its own holder overwritten."""
+    fd = _held[run_dir]
+    with contextlib.suppress(OSError):
+        if before is None:  # none was there: a run that takes the lock now makes its own
+            (run_dir / LOCK).unlink()
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, before, 0)
+    release(run_dir)

@@ -111,7 +111,7 @@ def find_checkpoint(
     if ckpt == "latest":
         try:
             runs = (
-                sorted(  # not .compile-cache (compilation.keep_caches_in): no run
+                sorted(  # not .compile-cache (core/caches.py): no run
                     (p for p in outputs.iterdir() if p.is_dir() and p.name[:1] != "."), reverse=True
                 )
                 if outputs.is_dir()

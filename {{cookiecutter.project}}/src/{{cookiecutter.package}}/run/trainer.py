@@ -190,8 +190,10 @@ class Trainer:
                 "trainer.compile=true: eager on %s (torch.compile is used on CUDA only)",
                 device.type,
             )
-        # Set whether or not this run compiles: inductor reads it when it first compiles.
-        self.compile_cache = caches.keep_caches_in(run_dir)
+        # Where compiling was asked for, on a GPU or not (an eager CPU run of a GPU config uses
+        # the same place): inductor reads it when it first compiles.
+        self.compile_cache = caches.keep_caches_in(run_dir) if cfg.trainer.compile else None
+        self.compile_counts = compilation.cache_counts()  # this job's, in a sweep's process
         self.forward = (
             compilation.compiled_forward(self.model, self.module) if self.compiled else self.model
         )
@@ -390,7 +392,11 @@ class Trainer:
         self.window.set_aside(took, steps=1)
         self.lost["first step"] += took
         # The start-up a relaunch costs: from the launch to the first step done (bench reports it).
-        compiled = compilation.cache_report(self.compile_cache) if self.compiled else None
+        compiled = (
+            compilation.cache_report(self.compile_cache, self.compile_counts)
+            if self.compiled
+            else None
+        )
         self.first_step = FirstStep(took, time.time() - self.launched_at, compiled)
         if self.compiled:
             if self.world.main:
