@@ -9,7 +9,7 @@
 # it): its first step, compile included, is a cold one, in the table too.
 # VARIANT_SED="NAME|FILE|EXPRESSION": variant NAME runs a copy of the package with the sed
 # EXPRESSION applied to FILE (a path in the package), e.g. the model compiled whole:
-#   VARIANT_SED="whole|run/compilation.py|s/blocks = repeated_blocks(bare)/blocks = []/"
+#   VARIANT_SED="whole|run/compilation.py|s/regions = repeated_blocks(bare)/regions = []/"
 # Rows in $OUT/mfu.jsonl, table in $OUT/mfu.log, the launches' logs in $OUT/logs.tgz. STOP_AFTER_S:
 # no launch starts after that many seconds of the script, set-up included; one that started runs
 # on (up to 400 s), so leave a launch's length between it and the device call's limit.
@@ -26,16 +26,7 @@ fi
 source "$(dirname "$0")/gpu-setup.sh"
 cd "$work"
 declare -A sites=()
-if [[ ${VARIANT_SED:-} ]]; then
-  IFS='|' read -r sed_name sed_file sed_expression <<<"$VARIANT_SED"
-  cp -r "$work/site" "$work/site-$sed_name"
-  sed -i "$sed_expression" "$work/site-$sed_name/ddp_project/$sed_file"
-  if cmp -s "$work/site/ddp_project/$sed_file" "$work/site-$sed_name/ddp_project/$sed_file"; then
-    echo "VARIANT_SED: the expression changed nothing in $sed_file" >&2
-    exit 2
-  fi
-  sites[$sed_name]=$work/site-$sed_name:${PYTHONPATH#"$work/site:"}
-fi
+[[ ${sed_name:-} ]] && sites[$sed_name]=$sed_path
 rounds=${ROUNDS:-3}
 steps=${STEPS:-80}
 variants=("$@")

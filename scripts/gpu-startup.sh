@@ -8,7 +8,7 @@
 # With COLD_STEPS past 20, the cold runs' MFU over their windows after step 20 (10 steps each) too.
 # VARIANT_SED="NAME|FILE|EXPRESSION" adds variant NAME: this tree's package with the sed EXPRESSION
 # applied to FILE (as in gpu-mfu.sh), e.g. the model compiled whole:
-#   VARIANT_SED="whole|run/compilation.py|s/blocks = repeated_blocks(bare)/blocks = []/"
+#   VARIANT_SED="whole|run/compilation.py|s/regions = repeated_blocks(bare)/regions = []/"
 # Per launch: the start-up line's phases, the first step (its compile), launch -> first step
 # done. Rows in $OUT/startup.jsonl, table in $OUT/startup.log, the launches' logs in
 # $OUT/startup-logs.tgz.
@@ -28,16 +28,7 @@ if [[ -f $repo/.bench-ref/ref/cookiecutter.json ]]; then
   paths[ref]=$work/ref-site:${PYTHONPATH#"$work/site:"}
   variants=(ref new)
 fi
-if [[ ${VARIANT_SED:-} ]]; then
-  IFS='|' read -r sed_name sed_file sed_expression <<<"$VARIANT_SED"
-  cp -r "$work/site" "$work/site-$sed_name"
-  sed -i "$sed_expression" "$work/site-$sed_name/ddp_project/$sed_file"
-  if cmp -s "$work/site/ddp_project/$sed_file" "$work/site-$sed_name/ddp_project/$sed_file"; then
-    echo "VARIANT_SED: the expression changed nothing in $sed_file" >&2
-    exit 2
-  fi
-  paths[$sed_name]=$work/site-$sed_name:${PYTHONPATH#"$work/site:"}
-fi
+[[ ${sed_name:-} ]] && paths[$sed_name]=$sed_path
 cd "$work"
 logs=$work/logs
 mkdir -p "$logs"
