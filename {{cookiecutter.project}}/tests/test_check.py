@@ -118,7 +118,7 @@ BAD = [
         "experiment=huge: no such option; allowed: gpt2_small, gpt_sample, mlp_134m, smoke",
     ),
     # A typo gets the closest name (difflib), between "no such ..." and "allowed:"; the lists
-    # hold the options a user may choose, never a schema's name (mlp_schema: config.py).
+    # hold the options a user may choose, never a schema's name (mlp_schema: config/options.py).
     (
         "experiment=smok",
         "experiment=smok: no such option; did you mean smoke? allowed: gpt2_small,",

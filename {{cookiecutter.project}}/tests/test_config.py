@@ -35,7 +35,7 @@ def test_the_default_config_is_what_each_groups_yaml_says(compose_train):
     assert isinstance(config.model, options.MlpConfig) and isinstance(
         config.data, options.PointsConfig
     )
-    # Where Hydra finds them (pkg://): beside config.py when installed, the project's configs/
+    # Where Hydra finds them (pkg://): in the installed package, the project's configs/
     # in an editable install.
     configs = files("ddp_project.configs")
     for group, option in [

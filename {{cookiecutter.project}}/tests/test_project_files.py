@@ -1,7 +1,10 @@
 """The files around the code agree with it: the pods' env block and launch line, whichever
 workload k8s/ holds (deploy.flavor), and the packaged config groups."""
 
+import importlib.util
+import io
 import re
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -275,6 +278,54 @@ def test_the_readmes_layout_names_every_module():
     named -= {name for name in named if name.startswith("k8s/")}
     assert modules - named == set(), "add them to docs/layout.md"
     assert named - modules == set(), "the Layout names modules that are gone"
+
+
+# Files the prose names that are not the project's, and whose they are.
+OTHERS_FILES = {
+    "utils.py": "torch's elastic/rendezvous/utils.py (launch.py)",
+    "src/train.py": "lightning-hydra-template's (docs/coming-from-lightning.md)",
+    "src/eval.py": "lightning-hydra-template's (docs/coming-from-lightning.md)",
+    "test_render.py": "the template's own tests (docs/extending.md)",
+}
+
+MODULE_DOT_NAME = re.compile(r"(?<![\w.])([a-z_]\w*)\.([A-Z]\w*)")  # registry.Option, not a.b.C
+
+
+def importable(name: str) -> bool:
+    """A top-level module, or torch's (nn.Module, amp.GradScaler)."""
+    return any(importlib.util.find_spec(m) is not None for m in (name, f"torch.{name}"))
+
+
+def test_the_prose_names_only_modules_that_exist():
+    """Docstrings, comments, YAML comments and docs name the modules and docs a reader then
+    opens: a name from before a restructure (config.py, deploy_config.DeployConfig), or the
+    template's own BENCHMARKS.md, sends them nowhere."""
+    package = ROOT / "src" / PACKAGE
+    own = ["/" + str(p.relative_to(ROOT)) for p in ROOT.rglob("*.*") if ".venv" not in p.parts]
+    modules = {p.stem for p in package.rglob("*.py")} | {p.name for p in package.rglob("*/")}
+    prose = [*package.rglob("*.py"), *(ROOT / "configs").rglob("*.yaml"), *ROOT.glob("*.md")]
+    gone = []
+    for path in [*prose, *(ROOT / "docs").glob("*.md")]:
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        for ref in re.findall(r"(?<![\w/.-])((?:[\w.-]+/)*\w[\w-]*\.(?:py|md))\b", text):
+            beside = (path.parent / ref).exists()  # a link: docs/runs.md's ../README.md
+            ours = any(f.endswith(f"/{ref}") for f in own)
+            if not (beside or ours or ref in OTHERS_FILES):
+                gone.append(f"{where}: {ref}")
+        for ref in re.findall(rf"\b{PACKAGE}\.(\w+)", text):
+            if ref not in modules:
+                gone.append(f"{where}: {PACKAGE}.{ref}")
+        if path.suffix == ".py":  # module.Name in a string or comment, where no code binds it
+            tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+            bound = {t.string for t in tokens if t.type == tokenize.NAME}
+            for token in tokens:
+                if token.type not in (tokenize.STRING, tokenize.COMMENT):
+                    continue
+                for name, attribute in MODULE_DOT_NAME.findall(token.string):
+                    if name not in modules | bound and not importable(name):
+                        gone.append(f"{where}: {name}.{attribute}")
+    assert gone == [], "name the module as it is now"
 
 
 def test_make_install_leaves_the_loggers_packages_to_make_install_all():

@@ -579,7 +579,8 @@ def test_the_workers_guard_refuses_a_lock_it_cannot_open(tmp_path, capsys):
 
 
 def test_the_keys_a_resume_may_change_and_evaluate_may_set_are_the_schemas_marked_fields():
-    """Marked in config.py (field metadata), read by rundir and evaluate: no list beside it."""
+    """Marked in config/schema.py and config/options.py (field metadata), read by rundir and
+    evaluate: no list beside it."""
     from ddp_project import evaluate
     from ddp_project.run import rundir
 

@@ -405,9 +405,8 @@ class Cycle:
 
 
 def test_start_up_objects_are_collected_and_frozen_on_a_gpu_and_left_alone_on_a_cpu():
-    """Frozen objects are out of every later full collection, which then takes 20 ms, not the
-    250 ms that stalled a step (BENCHMARKS.md); collected first, start-up's garbage is not kept
-    for the whole run."""
+    """Frozen objects are out of every later full collection, which is then short (figures in
+    docs/performance.md); collected first, start-up's garbage is not kept for the whole run."""
     gc.unfreeze()
     gc.disable()  # no automatic collection frees the garbage before the one tested
     try:

@@ -2,15 +2,16 @@
 and what builds it.
 
 An option is a YAML file in configs/<group>/ and a schema, a dataclass registered with @option
-(config.py). Its builder registers with @builds(schema) where it is defined, apart from the schema
-because checking a config (and rendering k8s/) reads the schemas without importing torch:
+(options.py, loggers.py). Its builder registers with @builds(schema) where it is defined, apart
+from the schema because checking a config (and rendering k8s/) reads the schemas without
+importing torch:
   model   model.py    (cfg, data) -> nn.Module, with flops_per_token() for MFU
   data    data.py     (cfg, seed, held_out) -> Dataset
   logger  loggers.py  (cfg, run_dir, start_step, config) -> an object with log(row) and close(),
                       or None for nothing to start
 Everything that differs between options reads these two: Hydra's ConfigStore
-(config.register_configs), the model-and-data check (validate.check_combinations), the schema of a
-checkpoint's config (validate.from_saved), the logger group's keys (logger_config.LoggersConfig)
+(schema.register_configs), the model-and-data check (validate.check_combinations), the schema of a
+checkpoint's config (validate.from_saved), the logger group's keys (loggers.LoggersConfig)
 and their packages, build_model, build_dataset and loggers.build.
 
 A checkpoint records the option of each group its values fill (chosen(): model=mlp, data=synthetic),
@@ -42,7 +43,7 @@ class Option:
     schema: type  # the dataclass that YAML fills: types and checks
     what: str  # how a message names what it is: "an MLP", "labelled points"
     # model and data: the name the YAML's defaults list gives its schema (mlp_schema); loggers
-    # have none, as each sets a key of the one logger schema (logger_config.LoggersConfig)
+    # have none, as each sets a key of the one logger schema (loggers.LoggersConfig)
     stored_as: str | None = None
     reads: type | None = None  # a model: the schema of the data it reads
     package: tuple[str, str] | None = None  # a logger: (the module it imports, its pip extra)
@@ -99,7 +100,7 @@ def same(one: type, other: type) -> bool:
 
 def collision(old: Option, new: Option) -> str | None:
     """Why `new` cannot join `old`, another schema's option, or None. Schemas are stored at the
-    ConfigStore's root (config.register_configs), one namespace for every group: it would keep
+    ConfigStore's root (schema.register_configs), one namespace for every group: it would keep
     only the newer of two schemas stored under one name, so that the other option trains the
     newer's class. Two options of one name in a group would leave its YAML two schemas."""
     here = f"{new.schema.__name__} at {new.where}"
@@ -119,7 +120,7 @@ def collision(old: Option, new: Option) -> str | None:
     return None
 
 
-# The root configs that are no option's schema: the primary config and its schema (config.py).
+# The root configs that are no option's schema: the primary config and its schema (schema.py).
 ROOT_NAMES = {"train", "train_schema"}
 
 

@@ -1,5 +1,6 @@
 """The checks of a whole config, composed by Hydra or read back from a checkpoint: what a single
-group's schema (config.py) cannot see alone, as one ConfigError that names the key."""
+group's schema (options.py, loggers.py, schema.py) cannot see alone, as one ConfigError that
+names the key."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The deploy group's values, checked before anything is rendered: each value the API server
 would refuse (or that would make a job that cannot run) is refused here, in one line naming the
-key and what is allowed. deploy_config.DeployConfig runs deploy_errors(); so does the template's
-hook, on the plain YAML."""
+key and what is allowed. config/deploy.py's DeployConfig runs deploy_errors(); so does the
+template's hook, on the plain YAML."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One builder per workload kind, and the table FLAVORS that deploy.flavor picks from. A new
 flavor is a builder here and an entry in the table, nothing else: the deploy schema's choices
-(deploy_config.FlavorName), the checks, render and apply read the table, and the template's tests
+(deploy.FlavorName), the checks, render and apply read the table, and the template's tests
 hold its prompt and the READMEs against it (docs/extending.md, "Add a flavor")."""
 
 from __future__ import annotations

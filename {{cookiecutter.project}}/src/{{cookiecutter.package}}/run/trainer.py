@@ -57,13 +57,13 @@ def freeze_start_up_objects(device: torch.device) -> bool:
     """On a GPU, collect Python's garbage once and freeze what survives: True if it did.
 
     Python runs a full collection only once the objects promoted since the last one outnumber a
-    quarter of those it found then. Start-up's (imports, the model, torch.compile: some 420,000)
-    put the first inside a later step, 0.25 s with the GPU idle (steps 41-50 of gpt2_small under
-    FSDP2 on an H100, whose hooks allocate enough to get there that soon; BENCHMARKS.md). Called
-    in the first step's time, it falls there, out of the figures, and later full collections skip
-    the frozen objects (20 ms instead of 250). A frozen object that becomes cyclic garbage stays
-    until the loop thaws them at its end. Not on a CPU: runs there are tests and demos, short, and
-    each launch would pay 0.1-0.2 s for a stall that a short run seldom reaches."""
+    quarter of those it found then. Start-up leaves hundreds of thousands (imports, the model,
+    torch.compile), which put the first full collection inside a later step, a stall with the GPU
+    idle (docs/performance.md has the figures). Called in the first step's time, it falls there,
+    out of the figures, and later full collections skip the frozen objects. A frozen object that
+    becomes cyclic garbage stays until the loop thaws them at its end. Not on a CPU: runs there
+    are tests and demos, short, and each launch would pay 0.1-0.2 s for a stall that a short run
+    seldom reaches."""
     if device.type != "cuda":
         return False
     gc.collect()
