@@ -71,7 +71,7 @@ from .run.trainer import Trainer, autocast_for
 MAX_WINDOW = 50  # steps: a run that logs less often is timed over windows of this many
 # Between the measured checkpoints: the config's own cadence, up to about CADENCE_S of steps
 # (at least CADENCE_STEPS): room for a background write to end before the next save, as at the
-# real cadence (gpt2_small's 1.8 GiB took ~2.5 s on an H200; 100 of its steps are 6.6 s).
+# real cadence (gpt2_small's write takes a few seconds, about 40 of its steps on a GPU).
 CADENCE_STEPS = 100
 CADENCE_S = 10.0
 RESULT_LINE = re.compile(r"^BENCH (\{.*\})$", re.MULTILINE)

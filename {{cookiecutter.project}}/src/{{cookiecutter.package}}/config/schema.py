@@ -58,8 +58,7 @@ class Schedule(Enum):  # the learning rate after warm-up: schedule.learning_rate
 
 
 class CheckpointFormat(Enum):
-    # One file by rank 0 (torch.save): the fastest on one node (gpt2_small on an H200:
-    # 0.05 s held up per checkpoint, dcp 0.9 s).
+    # One file by rank 0 (torch.save): the shortest stall on one node (docs/performance.md).
     file = "file"
     dcp = "dcp"  # a folder every rank writes a share of (torch.distributed.checkpoint)
 

@@ -86,8 +86,8 @@ class TensorBoard:
 
         # A resumed run starts again after its checkpoint: forget what was logged past it. The
         # writer's thread flushes every FLUSH_S, and close() at the end or a stop: a flush per
-        # log line made the step wait for that thread (an H200 trace), and a run that dies loses
-        # FLUSH_S of events at most (metrics.csv keeps every row).
+        # log line made the step wait for that thread (seen in a GPU trace), and a run that dies
+        # loses FLUSH_S of events at most (metrics.csv keeps every row).
         self.writer = SummaryWriter(
             log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=FLUSH_S
         )

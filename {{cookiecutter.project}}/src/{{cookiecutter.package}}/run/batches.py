@@ -89,7 +89,7 @@ class DeviceBatches:
             device = self.dataset.tensors[0].device
             for batch in torch.tensor(order, device=device):
                 # index_select, not dataset[batch]: advanced indexing costs the host more, and a
-                # step of a few ms waits for the host (a trace on an H200)
+                # step of a few ms waits for the host (seen in a GPU trace)
                 yield tuple(tensor.index_select(0, batch) for tensor in self.dataset.tensors)
 
     def __len__(self) -> int:

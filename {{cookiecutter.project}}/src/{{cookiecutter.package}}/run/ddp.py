@@ -55,7 +55,7 @@ def wrap(
     model = DDP(
         module,
         device_ids=[device] if device.type == "cuda" else None,
-        # Fewer, larger all-reduces: the 134M MLP on 2 H200s, 4.1 ms a step at 100 MB, 5.3 at 25.
+        # Fewer, larger all-reduces: faster at 100 MB than at DDP's 25 (docs/performance.md).
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,  # grads live in the buckets: no copy
         static_graph=cfg.static_graph,  # the same parameters get gradients every step
