@@ -805,7 +805,7 @@ def test_the_signals_torchrun_passes_on_are_those_the_workers_hold_back_and_take
 
 
 def test_torchruns_line_about_the_stop_signal_gives_way_to_the_launchers():
-    said_below = worker_exits.SaidBelow()
+    said_below = worker_exits.SaidAgainBelow()
 
     def passes(message: str, *args: object) -> bool:
         record = logging.LogRecord("x", logging.WARNING, __file__, 1, message, args, None)

@@ -26,8 +26,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from . import PACKAGE
+from .config.changeable import EVALUATE_SETS
 from .config.error import ConfigError, require
-from .config.marks import EVALUATE_SETS
 from .config.registry import stored_groups
 from .config.schema import TrainConfig, marked_keys, uses_cuda
 from .config.validate import from_saved

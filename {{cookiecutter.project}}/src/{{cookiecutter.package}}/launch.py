@@ -114,7 +114,7 @@ from .launcher.torchrun_args import (
     processes,
     split,
 )
-from .launcher.worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidBelow, summary
+from .launcher.worker_exits import SAID_ALREADY, TORCHRUN_LOGGERS, Agent, SaidAgainBelow, summary
 from .record.startup import LAUNCHER_IMPORTED_VAR, TORCHRUN_AT_VAR
 from .run import rundir
 from .run.oom import MemoryWatch, children
@@ -278,7 +278,7 @@ def launch(args: list[str]) -> int:
         return check.refused(err)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its banner
     for name in TORCHRUN_LOGGERS:
-        logging.getLogger(name).addFilter(SaidBelow())
+        logging.getLogger(name).addFilter(SaidAgainBelow())
     # torchrun's run() makes its agent by this name: ours retries no exit in exits.FAIL_AT_ONCE.
     launcher_api.LocalElasticAgent = Agent
     return supervise(parsed, config, Planned(run_dir, new, one_node), local_size)

@@ -11,8 +11,8 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from .changeable import EVALUATE_SETS, FREE_ON_RESUME
 from .error import ConfigError, require
-from .marks import EVALUATE_SETS, FREE_ON_RESUME
 from .registry import option
 from .token_files import TOKENIZER, FolderProblem, check_folder, read_meta, split_sequences
 

@@ -1,5 +1,6 @@
 """Typed schema of every config group, and the checks that run before anything starts; the
-model and data options' schemas are in options.py, the marks on fields in marks.py.
+model and data options' schemas are in options.py, which values may change after a checkpoint
+in changeable.py.
 
 Hydra merges each YAML file and override into these dataclasses, so a wrong type or an unknown key
 fails at compose time, naming the key. Checks that types cannot express live in __post_init__, and
@@ -19,10 +20,10 @@ from omegaconf import MISSING, OmegaConf
 
 from ..core.world import rank_zero_only, run_name
 from ..nccl import decision as nccl
+from .changeable import EVALUATE_SETS, FREE_ON_RESUME
 from .deploy import DeployConfig
 from .error import ConfigError, require
 from .loggers import LoggersConfig
-from .marks import EVALUATE_SETS, FREE_ON_RESUME
 from .options import DataConfig
 from .profiling import ProfileConfig
 from .registry import stored_options

@@ -122,16 +122,16 @@ def toleration_errors(key: str, toleration: Any) -> list[str]:
 
 def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[str]:
     """A map of label (or annotation) keys to strings, such as deploy.node_selector."""
-    found = []
+    problems = []
     for name, value in deploy[key].items():
         if not label_key_ok(name):
-            found.append(
+            problems.append(
                 f"deploy.{key}.{name}: must be {'a label' if label_values else 'an annotation'} "
                 "key ([prefix/]name, such as nvidia.com/gpu.product; name: 63 characters, "
                 "letters, digits, '-', '_', '.')"
             )
         elif isinstance(value, float):
-            found.append(typed_value_error(key, name, value))
+            problems.append(typed_value_error(key, name, value))
         elif not isinstance(value, str | bool | int) or (
             label_values and not label_value_ok(label_text(value))
         ):
@@ -140,8 +140,8 @@ def map_errors(deploy: Mapping[str, Any], key: str, label_values: bool) -> list[
                 if label_values
                 else "a string"
             )
-            found.append(f"deploy.{key}.{name}={value}: must be {allowed}")
-    return found
+            problems.append(f"deploy.{key}.{name}={value}: must be {allowed}")
+    return problems
 
 
 def typed_value_error(key: str, name: str, value: float) -> str:
@@ -157,42 +157,42 @@ def typed_value_error(key: str, name: str, value: float) -> str:
 def env_errors(deploy: Mapping[str, Any]) -> list[str]:
     """deploy.env (plain values) and deploy.secret_env (<Secret>/<key>): names a container may
     have that this project does not set itself, and no secret in the clear."""
-    found = []
+    problems = []
     for key in ("env", "secret_env"):
         for var, value in deploy[key].items():
             where = f"deploy.{key}.{var}"
             if not isinstance(var, str) or not ENV_NAME.fullmatch(var):
-                found.append(
+                problems.append(
                     f"{where}: must be a variable name (letters, digits, '_', not a digit first)"
                 )
             elif NCCL_VARS.fullmatch(var):
-                found.append(
+                problems.append(
                     f"{where}: an NCCL or gloo variable: set it with nccl.env.{var}, "
                     "which the doctor and the report see"
                 )
             elif var in OWN_ENV or var.startswith("PET_"):
-                found.append(
+                problems.append(
                     f"{where}: the launch line sets it "
                     f"(allowed: any variable but {', '.join(OWN_ENV)} and PET_*)"
                 )
             elif key == "env" and var in deploy["secret_env"]:
-                found.append(f"{where}: also in deploy.secret_env: keep one")
+                problems.append(f"{where}: also in deploy.secret_env: keep one")
             elif key == "env" and SECRET_LIKE.search(var):
-                found.append(
+                problems.append(
                     f"{where}: looks like a secret, which k8s/ and the logs would hold in the "
                     f"clear; name it from a Secret instead: deploy.secret_env.{var}=<secret>/<key> "
                     "(kubectl create secret generic <secret> --from-literal=<key>=...)"
                 )
             elif key == "env" and isinstance(value, float):
-                found.append(typed_value_error(key, var, value))
+                problems.append(typed_value_error(key, var, value))
             elif key == "env" and not isinstance(value, str | bool | int):
-                found.append(f"{where}={value}: must be a string, a number or true/false")
+                problems.append(f"{where}={value}: must be a string, a number or true/false")
             elif key == "secret_env" and not secret_ref_ok(value):
-                found.append(
+                problems.append(
                     f"{where}={value}: must be <Secret>/<key>, such as wandb/api-key "
                     "(a Secret's name, a DNS subdomain; a key: letters, digits, '-', '_', '.')"
                 )
-    return found
+    return problems
 
 
 def secret_ref_ok(value: Any) -> bool:
@@ -211,9 +211,9 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     Runs before anything is rendered: a manifest is written whole or not at all."""
     # A project's configs/ from before a key existed (cruft update) gets the key's default.
     deploy = {**ADDED_LATER, **deploy}
-    found = [*name_and_image_errors(deploy), *number_errors(deploy), *kind_errors(deploy)]
-    if found:  # the checks below read these values: numbers, lists and maps as checked here
-        return found
+    problems = [*name_and_image_errors(deploy), *number_errors(deploy), *kind_errors(deploy)]
+    if problems:  # the checks below read these values: numbers, lists and maps as checked here
+        return problems
     return [
         *toleration_list_errors(deploy),
         *placement_errors(deploy),
@@ -226,7 +226,7 @@ def deploy_errors(deploy: Mapping[str, Any]) -> list[str]:
     ]
 
 
-class Found(list):
+class DeployProblems(list):
     """Lines of what is wrong in a deploy group; check() adds the usual one for a key."""
 
     def __init__(self, deploy: Mapping[str, Any]) -> None:
@@ -240,113 +240,115 @@ class Found(list):
 
 def name_and_image_errors(deploy: Mapping[str, Any]) -> list[str]:
     """deploy.name, namespace, flavor, image and image_pull_policy."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     name, flavor, policy = deploy["name"], deploy["flavor"], deploy["image_pull_policy"]
-    found.check(
+    problems.check(
         name_ok(name, RFC1035_LABEL, NAME_MAX),
         "name",
         "must be a-z, 0-9 and '-', start with a letter and end with a letter or digit, "
         f"at most {NAME_MAX} characters",
     )
-    found.check(
+    problems.check(
         name_ok(deploy["namespace"], DNS_LABEL, 63),
         "namespace",
         "must be a DNS label: a-z, 0-9 and '-', at most 63 characters",
     )
-    found.check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
+    problems.check(flavor in FLAVORS, "flavor", f"must be one of {', '.join(FLAVORS)}")
     image = deploy["image"]
     parts = IMAGE.fullmatch(image) if isinstance(image, str) and len(image) <= 255 else None
-    found.check(
+    problems.check(
         parts,
         "image",
         "must be an image reference: [registry/]name:tag or [registry/]name@sha256:<digest>",
     )
     if parts:
-        found.check(
+        problems.check(
             parts["tag"] or parts["digest"],
             "image",
             "must name a tag or a digest (e.g. ghcr.io/acme/project:0.1.0): "
             "a node reuses the image it pulled",
         )
-        found.check(
+        problems.check(
             parts["tag"] != "latest" or parts["digest"] or policy == "Always",
             "image",
             "a node keeps the :latest it pulled first; use a version tag or a digest "
             "(or image_pull_policy=Always)",
         )
-    found.check(
+    problems.check(
         policy in PULL_POLICIES, "image_pull_policy", f"must be one of {', '.join(PULL_POLICIES)}"
     )
-    return found
+    return problems
 
 
 def number_errors(deploy: Mapping[str, Any]) -> list[str]:
     """The counts, sizes, ports and seconds."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     nodes = deploy["nodes"]
-    found.check(
+    problems.check(
         whole_number(nodes, 1, INDEXED_MAX),
         "nodes",
         f"must be 1 to {INDEXED_MAX} (an Indexed Job's most completions)",
     )
-    found.check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
+    problems.check(whole_number(deploy["gpus_per_node"], 1, 16), "gpus_per_node", "must be 1 to 16")
     cores = quantity(deploy["cpu_per_gpu"])
-    found.check(
+    problems.check(
         cores and (cores * 1000).denominator == 1,
         "cpu_per_gpu",
         "must be a CPU quantity above 0 in steps of 1m, such as 4 or 3500m",
     )
     for key in SIZES:
         size = quantity(deploy[key])
-        found.check(size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G")
-    found.check(
+        problems.check(
+            size and size.denominator == 1, key, "must be a size such as 16Gi, 500Mi or 2G"
+        )
+    problems.check(
         whole_number(deploy["rdzv_port"], 1024, 65535), "rdzv_port", "must be 1024 to 65535"
     )
     # A failure on one node fails every node's pod: the rendered backoffLimit is this x nodes.
     most = INT32_MAX // nodes if whole_number(nodes, 1) else INT32_MAX
-    found.check(
+    problems.check(
         whole_number(deploy["backoff_limit"], 0, most),
         "backoff_limit",
         f"must be 0 to {most} (the job's backoffLimit, this x deploy.nodes, is an int32)",
     )
-    found.check(
+    problems.check(
         whole_number(deploy["max_restarts"], 0, INT32_MAX),
         "max_restarts",
         f"must be 0 to {INT32_MAX}",
     )
-    found.check(
+    problems.check(
         whole_number(deploy["rdzv_timeout_s"], 10, RDZV_TIMEOUT_MAX),
         "rdzv_timeout_s",
         f"must be 10 to {RDZV_TIMEOUT_MAX} seconds (a day)",
     )
     ttl, deadline = deploy["ttl_after_finished_s"], deploy["active_deadline_s"]
-    found.check(
+    problems.check(
         ttl is None or whole_number(ttl, 0, INT32_MAX),
         "ttl_after_finished_s",
         f"must be null (keep) or seconds, 0 to {INT32_MAX}",
     )
-    found.check(
+    problems.check(
         deadline is None or whole_number(deadline, 1, INT64_MAX),
         "active_deadline_s",
         "must be null (no limit) or seconds, at least 1",
     )
     lost = deploy["lost_node_s"]
-    found.check(
+    problems.check(
         lost is None or whole_number(lost, 0, LOST_NODE_MAX),
         "lost_node_s",
         f"must be null (the cluster's 300 s) or seconds, 0 to {LOST_NODE_MAX} (a day)",
     )
-    found.check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
-    found.check(
+    problems.check(isinstance(deploy["guaranteed"], bool), "guaranteed", "must be true or false")
+    problems.check(
         isinstance(deploy["one_pod_per_node"], bool), "one_pod_per_node", "must be true or false"
     )
-    return found
+    return problems
 
 
 def kind_errors(deploy: Mapping[str, Any]) -> list[str]:
     """Each list is a list and each map a mapping. The schema makes them so, but the template's
     hook reads configs/ as plain YAML (cruft update: as the user left them)."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     kinds = {
         "tolerations": list,
         "node_selector": Mapping,
@@ -360,108 +362,110 @@ def kind_errors(deploy: Mapping[str, Any]) -> list[str]:
         "secret_env": Mapping,
     }
     for key, kind in kinds.items():
-        found.check(
+        problems.check(
             isinstance(deploy[key], kind),
             key,
             f"must be a {'mapping' if kind is Mapping else 'list'}",
         )
-    return found
+    return problems
 
 
 def toleration_list_errors(deploy: Mapping[str, Any]) -> list[str]:
     """Each toleration as the API server reads it, and none of a lost node's taints:
     deploy.lost_node_s sets those."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     for index, toleration in enumerate(deploy["tolerations"]):
-        found += toleration_errors(f"deploy.tolerations[{index}]", toleration)
+        problems += toleration_errors(f"deploy.tolerations[{index}]", toleration)
         # as DefaultTolerationSeconds reads a toleration of them; one after ours would never be used
         if (
             isinstance(toleration, Mapping)
             and toleration.get("key") in LOST_NODE_TAINTS
             and toleration.get("effect", "") in ("", "NoExecute")
         ):
-            found.append(
+            problems.append(
                 f"deploy.tolerations[{index}].key={toleration['key']}: set deploy.lost_node_s "
                 "instead, which tolerates both of a lost node's taints"
             )
-    return found
+    return problems
 
 
 def placement_errors(deploy: Mapping[str, Any]) -> list[str]:
     """Where the pods may run: deploy.node_selector, deploy.affinity, deploy.one_pod_per_node."""
-    found = Found(deploy)
-    found += map_errors(deploy, "node_selector", label_values=True)
+    problems = DeployProblems(deploy)
+    problems += map_errors(deploy, "node_selector", label_values=True)
     for key in sorted(set(deploy["affinity"]) - set(AFFINITY_KEYS)):
         hint = did_you_mean(key, AFFINITY_KEYS, "deploy.affinity.")
-        found.append(
+        problems.append(
             f"deploy.affinity.{key}: no such key; {hint}allowed: {', '.join(AFFINITY_KEYS)} "
             "(as in a pod's spec.affinity)"
         )
     for key in AFFINITY_KEYS:
         if not isinstance(deploy["affinity"].get(key, {}), Mapping):
-            found.append(f"deploy.affinity.{key}: must be a mapping, as in a pod's spec.affinity")
-    found.check(
+            problems.append(
+                f"deploy.affinity.{key}: must be a mapping, as in a pod's spec.affinity"
+            )
+    problems.check(
         not (deploy["one_pod_per_node"] and "podAntiAffinity" in deploy["affinity"]),
         "one_pod_per_node",
         "is a podAntiAffinity of its own: set it or deploy.affinity.podAntiAffinity, not both",
     )
-    return found
+    return problems
 
 
 def resource_errors(deploy: Mapping[str, Any]) -> list[str]:
     """What the pods ask of a node besides GPUs, CPU and memory: resources, capabilities."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     for key, count in deploy["extra_resources"].items():
         if not label_key_ok(key) or "/" not in key or key in OWN_RESOURCES:
-            found.append(
+            problems.append(
                 f"deploy.extra_resources.{key}: must be an extended resource name (prefix/name, "
                 f"such as rdma/rdma_shared_device_a), not one of {', '.join(OWN_RESOURCES)}"
             )
         elif not whole_number(count, 1, INT32_MAX):
-            found.append(
+            problems.append(
                 f"deploy.extra_resources.{key}={count}: must be a whole number, 1 to {INT32_MAX}"
             )
     for capability in deploy["capabilities"]:
         if not name_ok(capability, CAPABILITY, 64) or capability.startswith("CAP_"):
-            found.append(
+            problems.append(
                 f"deploy.capabilities: {capability}: must be a Linux capability without CAP_, "
                 "such as IPC_LOCK"
             )
-    return found
+    return problems
 
 
 def metadata_errors(deploy: Mapping[str, Any]) -> list[str]:
     """The pods' labels and annotations, and the Secrets their images are pulled with."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     name = deploy["name"]
-    found += map_errors(deploy, "pod_labels", label_values=True)
-    found += [
+    problems += map_errors(deploy, "pod_labels", label_values=True)
+    problems += [
         f"deploy.pod_labels.{key}: is this project's own label; choose another key"
         for key in deploy["pod_labels"]
         if key in labels(name)
     ]
-    found += map_errors(deploy, "pod_annotations", label_values=False)
+    problems += map_errors(deploy, "pod_annotations", label_values=False)
     annotations = {**deploy["pod_annotations"], **topology_annotation(deploy)}
     size = sum(len(str(key)) + len(str(value)) for key, value in annotations.items())
     if size > ANNOTATIONS_MAX:
-        found.append(
+        problems.append(
             f"deploy.pod_annotations: {size} bytes in all; "
             f"a pod's annotations hold at most {ANNOTATIONS_MAX} (256 KiB)"
         )
     for secret in deploy["image_pull_secrets"]:
         if not name_ok(secret, DNS_SUBDOMAIN, 253):
-            found.append(
+            problems.append(
                 f"deploy.image_pull_secrets: {secret}: must be a Secret name "
                 "(a DNS subdomain: a-z, 0-9, '-', '.')"
             )
-    return found
+    return problems
 
 
 def storage_errors(deploy: Mapping[str, Any]) -> list[str]:
     """The run dirs' claim, and the classes named by name."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     nodes = deploy["nodes"]
-    found.check(
+    problems.check(
         deploy["runs_access_mode"] == "ReadWriteMany"
         or deploy["runs_claim"] is not None
         or nodes == 1,
@@ -474,19 +478,19 @@ def storage_errors(deploy: Mapping[str, Any]) -> list[str]:
         ("storage_class", "a StorageClass"),
         ("runs_claim", "a PersistentVolumeClaim"),
     ):
-        found.check(
+        problems.check(
             deploy[key] is None or name_ok(deploy[key], DNS_SUBDOMAIN, 253),
             key,
             f"must be null or {kind} name (a DNS subdomain: a-z, 0-9, '-', '.')",
         )
-    return found
+    return problems
 
 
 def queue_errors(deploy: Mapping[str, Any]) -> list[str]:
     """Kueue's keys: the queue, its priority, the topology the pods are placed by."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     queue = deploy["queue"]
-    found.check(
+    problems.check(
         queue is None or name_ok(queue, DNS_LABEL, 63),
         "queue",
         "must be null or a Kueue LocalQueue name: a-z, 0-9 and '-', at most 63 characters",
@@ -502,28 +506,28 @@ def queue_errors(deploy: Mapping[str, Any]) -> list[str]:
         valid = (
             name_ok(value, DNS_SUBDOMAIN, 253) if key == "queue_priority" else label_key_ok(value)
         )
-        found.check(value is None or valid, key, f"must be null or {what}")
-        found.check(
+        problems.check(value is None or valid, key, f"must be null or {what}")
+        problems.check(
             value is None or queue is not None, key, "only Kueue reads it: set deploy.queue too"
         )
-    found.check(
+    problems.check(
         deploy["topology_mode"] in TOPOLOGY_ANNOTATIONS,
         "topology_mode",
         f"must be one of {', '.join(TOPOLOGY_ANNOTATIONS)}",
     )
-    return found
+    return problems
 
 
 def flavor_errors(deploy: Mapping[str, Any]) -> list[str]:
     """What the chosen flavor's controller would refuse: pod names, keys it cannot carry."""
-    found = Found(deploy)
+    problems = DeployProblems(deploy)
     name, nodes, flavor = deploy["name"], deploy["nodes"], deploy["flavor"]
     if flavor in FLAVORS:
-        found += pod_name_errors(name, nodes, FLAVORS[flavor])
-        found += [
+        problems += pod_name_errors(name, nodes, FLAVORS[flavor])
+        problems += [
             f"deploy.{key}={deploy[key]}: {why}" for key, why in FLAVORS[flavor].cannot(deploy)
         ]
-    return found
+    return problems
 
 
 def pod_name_errors(name: str, nodes: int, flavor: Flavor) -> list[str]:

@@ -40,7 +40,7 @@ TORCHRUN_LOGGERS = (  # where those come from
 )
 
 
-class SaidBelow(logging.Filter):
+class SaidAgainBelow(logging.Filter):
     """For TORCHRUN_LOGGERS: torchrun's lines that the launcher's own last line says again."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -25,10 +25,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ..config.changeable import FREE_ON_RESUME
 from ..config.error import ConfigError
 from ..config.global_batch import KEYS as GLOBAL_BATCH_KEYS
 from ..config.global_batch import GlobalBatch, GlobalBatchChanged, accepted, on_resume
-from ..config.marks import FREE_ON_RESUME
 from ..config.optimizer import upgraded
 from ..config.overrides import dotted
 from ..config.registry import chosen, fitting
