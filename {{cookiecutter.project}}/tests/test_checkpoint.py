@@ -120,13 +120,6 @@ def test_progress_round_trips_through_its_state():
     assert progress.state_dict() == {"step": 7, "epoch": 2, "samples_in_epoch": 5}
 
 
-def test_progress_from_before_samples_in_epoch_keeps_its_batches_for_the_trainer_to_convert():
-    """Such a checkpoint counted each rank's batches; the Trainer knows the figures to convert."""
-    restored = Progress()
-    restored.load_state_dict({"step": 80, "epoch": 1, "batch_in_epoch": 16})
-    assert (restored.step, restored.epoch, restored.batches_in_epoch) == (80, 1, 16)
-
-
 class FullDisk:
     """A file on a file system with `room` bytes left: writes beyond it fail as the OS fails
     them (torch.save then raises a RuntimeError of its own during the OSError)."""

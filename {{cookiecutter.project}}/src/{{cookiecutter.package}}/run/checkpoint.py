@@ -57,15 +57,13 @@ class Progress:
     step: int = 0
     epoch: int = 0
     samples_in_epoch: int = 0
-    batches_in_epoch: int | None = None  # a checkpoint's from before samples_in_epoch: per rank
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.step, self.epoch = state["step"], state["epoch"]
-        self.samples_in_epoch = state.get("samples_in_epoch", 0)
-        self.batches_in_epoch = state.get("batch_in_epoch")  # the Trainer converts it
+        self.samples_in_epoch = state["samples_in_epoch"]
 
 
 class Incompatible(Exception):

@@ -475,10 +475,6 @@ class Trainer:
             )
         except GlobalBatchChanged as err:
             raise Incompatible(str(err)) from None
-        if self.progress.batches_in_epoch is not None:  # a checkpoint's from before samples
-            per_micro_step = saved.processes * saved.batch_size
-            self.progress.samples_in_epoch = self.progress.batches_in_epoch * per_micro_step
-            self.progress.batches_in_epoch = None
         if now != self.global_batch and self.world.main:
             log.warning(
                 "the checkpoint was written by %d process(es), this run has %d: "
