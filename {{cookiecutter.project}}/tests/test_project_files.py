@@ -283,9 +283,10 @@ def test_the_readmes_layout_names_every_module():
 # Files the prose names that are not the project's, and whose they are.
 OTHERS_FILES = {
     "utils.py": "torch's elastic/rendezvous/utils.py (launch.py)",
-    "src/train.py": "lightning-hydra-template's (docs/coming-from-lightning.md)",
-    "src/eval.py": "lightning-hydra-template's (docs/coming-from-lightning.md)",
     "test_render.py": "the template's own tests (docs/extending.md)",
+} | {
+    f"src/{name}.py": "lightning-hydra-template's (docs/coming-from-lightning.md)"
+    for name in ("train", "eval")
 }
 
 MODULE_DOT_NAME = re.compile(r"(?<![\w.])([a-z_]\w*)\.([A-Z]\w*)")  # registry.Option, not a.b.C
